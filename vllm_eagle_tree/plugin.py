@@ -54,6 +54,14 @@ def register() -> None:
     check_vllm_version(vllm.__version__)
     if not _REGISTERED:
         _REGISTERED = True
+        # vLLM 0.32 `vllm.triton_utils.dispatcher.register_kernels`: where vLLM
+        # has no Triton GPU backend (the CPU platform), launches of this
+        # plugin's Triton kernels run their PyTorch references instead, the
+        # way `CpuPlatform.register_triton_kernel_overrides` does for vLLM's
+        # own kernels. Plain vLLM is unaffected: these are our kernels only.
+        from vllm_eagle_tree.triton_kernels import register_cpu_fallbacks
+
+        register_cpu_fallbacks()
         logger.debug("vllm-eagle-tree registered in pid %d", os.getpid())
     record = os.environ.get(REGISTRY_ENV)
     if record:
