@@ -32,7 +32,8 @@ def _parse_version(version: str) -> tuple[int, int]:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError) as exc:
         raise UnsupportedVLLMVersion(
-            f"vllm-eagle-tree cannot parse the vLLM version {version!r}") from exc
+            f"vllm-eagle-tree supports vLLM 0.32.x only and cannot parse the installed "
+            f"vLLM version {version!r}") from exc
 
 
 def check_vllm_version(version: str) -> None:
@@ -62,6 +63,24 @@ def register() -> None:
         from vllm_eagle_tree.triton_kernels import register_cpu_fallbacks
 
         register_cpu_fallbacks()
+
+        # vLLM 0.32 `EngineArgs.create_speculative_config`
+        # (vllm/engine/arg_utils.py:2060-2099), which turns the
+        # `--speculative-config` / `LLM(speculative_config=...)` dict into a
+        # `SpeculativeConfig`. Wrapped so that `"method": "eagle2"` plus the
+        # tree knobs is validated, translated into method eagle/eagle3 with a
+        # tree-sized num_speculative_tokens, and its settings put in
+        # `additional_config` for the workers (vllm_eagle_tree/adapter/config.py).
+        # Any other method calls the original with the EngineArgs untouched.
+        # Patched on the class (AsyncEngineArgs inherits it); register() runs
+        # in EngineArgs.__post_init__ (arg_utils.py:903-906), before
+        # create_engine_config calls it.
+        from vllm.engine.arg_utils import EngineArgs
+
+        from vllm_eagle_tree.adapter.config import wrap_create_speculative_config
+
+        EngineArgs.create_speculative_config = wrap_create_speculative_config(
+            EngineArgs.create_speculative_config)
         logger.debug("vllm-eagle-tree registered in pid %d", os.getpid())
     record = os.environ.get(REGISTRY_ENV)
     if record:
