@@ -1,0 +1,144 @@
+"""Prototype: tree-verify attention and accepted-path KV compaction on vLLM 0.32's
+CPU_ATTN KV cache. Not wired into generation yet (docs/INTEGRATION.md, step 4).
+
+The CPU_ATTN cache of one attention layer is a contiguous tensor of nominal
+shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+(``CPUAttentionBackend.get_kv_cache_shape``). ``CPUAttentionBackendImpl``
+views it as ``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and
+``chunk(2, dim=2)``s it into a key half and a value half per (block, head).
+What vLLM's C++ writer ``cpu_attn_reshape_and_cache`` puts there depends on the
+ISA picked by ``cpu_attn._get_attn_isa``. Measured for the ``vec`` and
+``vec16`` ISAs (x86 without AMX, any dtype; AMX is used only for bf16 on
+AMX CPUs): per (block, head) the first ``block_size * head_size`` elements
+hold the keys **transposed**, ``[head_size, block_size]`` (slot fastest), and
+the next ``block_size * head_size`` the values ``[block_size, head_size]``.
+That differs from the GPU layout ``[num_blocks, block_size, num_kv_heads,
+head_size]`` the Triton kernels and their PyTorch references are written
+for. :func:`cpu_kv_views` returns strided views of a CPU_ATTN cache in that
+GPU layout (no copy; writes through them land in vLLM's cache), so the
+references ``tree_attention_ref`` and ``compact_kv_ref`` run on vLLM's CPU
+cache unchanged. :func:`probe_cpu_kv_layout` checks the assumption against
+vLLM's own writer for a (dtype, block size, head size, ISA) and is meant to
+run once at start-up; it refuses layouts it does not know (AMX).
+
+Conventions (CONVENTIONS.md): a request's tree nodes are written, in
+flattened parents-first order, to logical slots ``context_len + i`` (what
+vLLM's slot mapping does when positions are *not* altered before
+``compute_slot_mapping``), while their rotary positions are
+``context_len + depth``; query row i sees every context slot and tree slot j
+iff j is an ancestor-or-self of i (bit-packed ``tree_mask``).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
+from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
+
+__all__ = ["cpu_kv_views", "probe_cpu_kv_layout", "cpu_tree_attention", "cpu_compact_kv",
+           "KNOWN_ISAS"]
+
+KNOWN_ISAS = ("vec", "vec16")
+"""CPU_ATTN ISAs whose cache layout :func:`cpu_kv_views` decodes (measured)."""
+
+
+def cpu_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value views ``[num_blocks, block_size, num_kv_heads, head_size]``
+    of one layer's CPU_ATTN cache ``[num_blocks, num_kv_heads, block_size, 2*head_size]``.
+
+    Valid for the ``vec`` / ``vec16`` ISAs (see the module docstring and
+    :func:`probe_cpu_kv_layout`). The views share memory with ``kv_cache``.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"expected a CPU_ATTN cache [num_blocks, num_kv_heads, block_size, "
+                         f"2*head_size], got shape {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("the CPU_ATTN cache tensor must be contiguous")
+    nb, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    per_head = 2 * bs * d
+    base = kv_cache.storage_offset()
+    key = kv_cache.as_strided((nb, bs, h, d), (h * per_head, 1, per_head, bs), base)
+    value = kv_cache.as_strided((nb, bs, h, d), (h * per_head, d, per_head, 1), base + bs * d)
+    return key, value
+
+
+@functools.lru_cache(maxsize=None)
+def probe_cpu_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
+                        isa: str | None = None, num_kv_heads: int = 2) -> str:
+    """Check :func:`cpu_kv_views` against vLLM's writer; return the ISA checked.
+
+    Writes distinct keys and values with ``vllm._custom_ops.cpu_attn_reshape_and_cache``
+    into a scratch cache and reads them back through the views. Raises
+    ``NotImplementedError`` for an ISA or layout the views do not decode.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if isa is None:
+        isa = _get_attn_isa(dtype, block_size, head_size)
+    if isa not in KNOWN_ISAS:
+        raise NotImplementedError(
+            f"CPU_ATTN ISA {isa!r} (dtype {dtype}, block_size {block_size}) stores the KV cache "
+            f"in a layout the eagle2 CPU tree attention does not decode; known: {KNOWN_ISAS}")
+    nb = 2
+    kv = torch.zeros(nb, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = kv.view(nb, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+    n = nb * block_size
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.randperm(n, generator=gen)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    kview, vview = cpu_kv_views(kv)
+    page, row = slots // block_size, slots % block_size
+    if not (torch.equal(kview[page, row], k) and torch.equal(vview[page, row], v)):
+        raise NotImplementedError(
+            f"vLLM's CPU_ATTN cache layout for ISA {isa!r} (dtype {dtype}, block_size "
+            f"{block_size}, head_size {head_size}) is not the one cpu_kv_views decodes")
+    return isa
+
+
+def cpu_tree_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+    tree_lens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tree attention of ``query [total_q, Hq, D]`` over one layer's CPU_ATTN cache.
+
+    Arguments as ``triton_kernels.tree_attention_ref`` (``seq_lens`` = context +
+    tree keys per request, ``tree_mask`` int32 ``[total_q, W]``), with the
+    cache given as vLLM's CPU tensor. The tree nodes' K/V must already be in
+    the cache (vLLM's ``do_kv_cache_update`` runs before attention).
+    """
+    key, value = cpu_kv_views(kv_cache)
+    return tree_attention_ref(query, key, value, block_table, seq_lens, cu_q_lens, tree_mask,
+                              scale, tree_lens=tree_lens, out=out)
+
+
+def cpu_compact_kv(
+    kv_caches: Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+) -> None:
+    """Move each request's accepted path to the slots right after its context,
+    in every given CPU_ATTN layer cache, in place (CONVENTIONS.md, KV compaction).
+
+    Arguments as ``triton_kernels.compact_kv_ref``; ``kv_caches`` are vLLM's
+    per-layer CPU tensors (target and draft layers alike: they share the
+    block table when they share a KV cache group).
+    """
+    views = [cpu_kv_views(kv) for kv in kv_caches]
+    compact_kv_ref(([k for k, _ in views], [v for _, v in views]), block_table, context_lens,
+                   num_accepted, accepted_nodes)
