@@ -229,7 +229,7 @@ def ttt_forward(head, embed_w, lm_w, x, feat, steps):
     return logits, (first_out if not head.eagle3 else None)
 
 
-def head_loss(head, embed_w, lm_w, x, fpost, faux, tlogits, steps, weights):
+def head_loss(head, embed_w, lm_w, x, fpost, faux, tlogits, steps, weights, reg_weight=1.0):
     B, T = x.shape
     feat = faux if head.eagle3 else fpost
     logits, out1 = ttt_forward(head, embed_w, lm_w, x, feat, steps)
@@ -244,7 +244,7 @@ def head_loss(head, embed_w, lm_w, x, fpost, faux, tlogits, steps, weights):
         stats[f"acc{k}"] = (lg[:, :n].argmax(-1) == tlogits[:, k:k + n].argmax(-1)).float().mean().item()
     if out1 is not None:  # EAGLE-1 also regresses the next target feature
         reg = F.smooth_l1_loss(out1[:, :T - 2], fpost[:, 1:T - 1])
-        total = total + reg
+        total = total + reg_weight * reg
         stats["reg"] = reg.item()
     return total, stats
 
@@ -266,7 +266,9 @@ def train_head(head, target, data, args, name):
             fpost, faux, tlogits = target_features(target, x)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, n_steps, args.head_lr, 20)
-            loss, st = head_loss(head, embed_w, lm_w, x, fpost, faux, tlogits, args.ttt_steps, weights)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.head_autocast):
+                loss, st = head_loss(head, embed_w, lm_w, x, fpost, faux, tlogits, args.ttt_steps,
+                                     weights, args.reg_weight)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
@@ -333,7 +335,12 @@ def main():
     ap.add_argument("--head-epochs", type=int, default=1)
     ap.add_argument("--head-lr", type=float, default=2e-3)
     ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--reg-weight", type=float, default=1.0,
+                    help="EAGLE-1 feature-regression loss weight (classification weight is 1)")
+    ap.add_argument("--head-autocast", action="store_true", help="train the heads with bf16 autocast")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--heads-only", action="store_true",
+                    help="keep assets/target (and its metrics); regenerate data, retrain both heads")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -341,34 +348,44 @@ def main():
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     tdir, h1dir, h3dir = out / "target", out / "eagle1-head", out / "eagle3-head"
-    for d in (tdir, h1dir, h3dir):
+    for d in ((h1dir, h3dir) if args.heads_only else (tdir, h1dir, h3dir)):
         if d.exists():
             shutil.rmtree(d)
-    tdir.mkdir(parents=True)
+    tdir.mkdir(parents=True, exist_ok=True)
 
     log("1/7 corpus: Python stdlib source files")
     train_txt, held_txt = corpus_files()
     log(f"    {len(train_txt)} train files ({sum(map(len, train_txt)) / 1e6:.1f} MB), "
         f"{len(held_txt)} held-out files ({sum(map(len, held_txt)) / 1e6:.1f} MB)")
 
-    log(f"2/7 tokenizer: byte-level BPE, vocab {args.vocab}")
-    tok = train_tokenizer(train_txt, args.vocab, tdir)
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    if args.heads_only:
+        log("2-3/7 --heads-only: reusing the tokenizer and target in " + str(tdir))
+        tok = AutoTokenizer.from_pretrained(tdir)
+        target = LlamaForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
+        cfg = target.config
+        prev = json.loads((out / "build_metrics.json").read_text())["target"]
+        target_minutes = prev["train_minutes"]
+    else:
+        log(f"2/7 tokenizer: byte-level BPE, vocab {args.vocab}")
+        tok = train_tokenizer(train_txt, args.vocab, tdir)
     train_ids, held_ids = encode(tok, train_txt), encode(tok, held_txt)
     log(f"    {len(train_ids) / 1e6:.2f}M train tokens, {len(held_ids) / 1e6:.2f}M held-out tokens")
-
-    from transformers import LlamaForCausalLM
-    cfg = target_config(len(tok), args)
-    target = LlamaForCausalLM(cfg)
+    if not args.heads_only:
+        cfg = target_config(len(tok), args)
+        target = LlamaForCausalLM(cfg)
     n_params = sum(p.numel() for p in target.parameters())
-    log(f"3/7 target: Llama {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M params, "
-        f"{args.target_steps} steps x {args.batch}x{args.seq} tokens")
-    t = time.time()
-    train_target(target, train_ids, args)
-    target_minutes = (time.time() - t) / 60
+    if not args.heads_only:
+        log(f"3/7 target: Llama {args.layers} layers, hidden {args.hidden}, {n_params / 1e6:.2f}M params, "
+            f"{args.target_steps} steps x {args.batch}x{args.seq} tokens")
+        t = time.time()
+        train_target(target, train_ids, args)
+        target_minutes = (time.time() - t) / 60
     held_loss = eval_target_loss(target, held_ids[:200_000])
     log(f"    held-out loss {held_loss:.3f} nats/token (ppl {math.exp(held_loss):.1f})")
-    target.save_pretrained(tdir, safe_serialization=True)
-    tok.save_pretrained(tdir)
+    if not args.heads_only:
+        target.save_pretrained(tdir, safe_serialization=True)
+        tok.save_pretrained(tdir)
 
     log(f"4/7 self-generated data: {args.self_seqs} x {args.seq} tokens")
     gen = torch.Generator().manual_seed(3)
@@ -399,6 +416,7 @@ def main():
                           "vocab": len(tok), "steps": args.target_steps,
                           "tokens_seen": args.target_steps * args.batch * args.seq,
                           "train_minutes": round(target_minutes, 1),
+                          "heads_only_rebuild": args.heads_only,
                           "heldout_loss": round(held_loss, 4)},
                "self_data": {"sequences": args.self_seqs, "tokens": self_data.numel(),
                              "minutes": round(gen_minutes, 1)},
@@ -429,7 +447,7 @@ def main():
     ids = torch.tensor([tok(prompt)["input_ids"]])
     sample = tok.decode(generate(target, ids, 96, 0.0, gen)[0])
     metrics["greedy_sample"] = sample
-    metrics["total_minutes"] = round((time.time() - T0) / 60, 1)
+    metrics["total_minutes"] = round((time.time() - T0) / 60 + (target_minutes if args.heads_only else 0), 1)
     metrics["sizes_mb"] = {d.name: round(sum(f.stat().st_size for f in d.iterdir()) / 1e6, 2)
                            for d in (tdir, h1dir, h3dir)}
     (out / "build_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
