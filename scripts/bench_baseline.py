@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Baseline benchmark: vanilla vLLM and vLLM's own EAGLE chain, side by side.
+
+For each target configuration (the bundled pair, and the cost-realistic deep
+target from scripts/make_deep_target.py) and each method (vanilla; `eagle`
+and `eagle3` chains with K = 1..6), one in-process vLLM engine generates
+greedy completions of held-out prompts at batch sizes 1, 4, 16 and 64.
+Reported per cell: generated tokens/s (wall clock) and tau, the mean number
+of tokens emitted per target forward (accepted draft tokens + 1).
+
+    .venv/bin/python scripts/bench_baseline.py                 # full grid
+    .venv/bin/python scripts/bench_baseline.py --quick         # K in {1,3,6}, batch {1,16}
+
+Writes results/baseline.json (every cell, as it completes) and
+results/baseline.png, and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def method_specs(methods, ks):
+    out = []
+    for m in methods:
+        if m == "vanilla":
+            out.append(("vanilla", 0))
+        else:
+            out.extend((m, k) for k in ks)
+    return out
+
+
+def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens):
+    from vllm import LLM, SamplingParams
+
+    from vllm_eagle_tree import assets
+    from vllm_eagle_tree.metrics import spec_counters
+
+    spec = None if method == "vanilla" else {
+        "method": method, "model": str(assets.HEADS[method]), "num_speculative_tokens": k}
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
+              max_model_len=1024, disable_log_stats=False, seed=0,
+              max_num_seqs=max(batch_sizes))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    cells = []
+    for bs in batch_sizes:
+        # At least `reps_tokens` generated tokens per cell: small batches repeat.
+        rounds = max(1, -(-reps_tokens // (bs * max_tokens)))
+        before, n_tok, t = spec_counters(llm), 0, time.perf_counter()
+        for r in range(rounds):
+            batch = [prompts[(r * bs + i) % len(prompts)] for i in range(bs)]
+            outs = llm.generate(batch, params, use_tqdm=False)
+            n_tok += sum(len(o.outputs[0].token_ids) for o in outs)
+        dt = time.perf_counter() - t
+        c = spec_counters(llm) - before
+        cells.append({"batch_size": bs, "tokens": n_tok, "seconds": round(dt, 3),
+                      "tokens_per_s": round(n_tok / dt, 2),
+                      "tau": round(c.tau, 4) if spec else 1.0,
+                      "drafts": c.drafts, "draft_tokens": c.draft_tokens,
+                      "accepted_tokens": c.accepted_tokens})
+    del llm
+    gc.collect()
+    return cells
+
+
+def markdown(results, batch_sizes):
+    lines = []
+    for cfg, rows in results["configs"].items():
+        lines.append(f"\n**{cfg}** (tokens/s, tau)\n")
+        lines.append("| method | K | " + " | ".join(f"batch {b}" for b in batch_sizes) + " |")
+        lines.append("|---|---|" + "---|" * len(batch_sizes))
+        for row in rows:
+            cells = {c["batch_size"]: c for c in row["cells"]}
+            vals = [f"{cells[b]['tokens_per_s']:.0f} ({cells[b]['tau']:.2f})" if b in cells else "-"
+                    for b in batch_sizes]
+            lines.append(f"| {row['method']} | {row['k'] or '-'} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def plot(results, batch_sizes, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfgs = list(results["configs"])
+    fig, axes = plt.subplots(2, len(cfgs), figsize=(6 * len(cfgs), 8), squeeze=False)
+    for j, cfg in enumerate(cfgs):
+        rows = results["configs"][cfg]
+        series = {}
+        for row in rows:  # vanilla, and each method at its best K per batch size
+            for c in row["cells"]:
+                key = row["method"]
+                best = series.setdefault(key, {})
+                if c["batch_size"] not in best or c["tokens_per_s"] > best[c["batch_size"]]["tokens_per_s"]:
+                    best[c["batch_size"]] = dict(c, k=row["k"])
+        for name, cells in series.items():
+            bs = sorted(cells)
+            label = name if name == "vanilla" else f"{name} (best K)"
+            axes[0][j].plot(bs, [cells[b]["tokens_per_s"] for b in bs], marker="o", label=label)
+            axes[1][j].plot(bs, [cells[b]["tau"] for b in bs], marker="o", label=label)
+        for i, yl in enumerate(("generated tokens/s", "tau (tokens per target forward)")):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+            ax.set_xlabel("batch size")
+            ax.set_ylabel(yl)
+            ax.set_title(cfg)
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    from vllm_eagle_tree import assets
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=["bundled", "deep"], choices=["bundled", "deep"])
+    ap.add_argument("--methods", nargs="+", default=["vanilla", "eagle", "eagle3"])
+    ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-tokens-per-cell", type=int, default=256,
+                    help="small batches repeat until this many tokens are generated")
+    ap.add_argument("--quick", action="store_true", help="K in {1,3,6}, batch sizes {1,16}")
+    ap.add_argument("--out", default=str(ROOT / "results" / "baseline.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.ks, args.batch_sizes = [1, 3, 6], [1, 16]
+
+    targets = {"bundled": assets.TARGET}
+    if "deep" in args.configs:
+        from make_deep_target import build
+        targets["deep"] = build(assets.DEEP_TARGET, extra_layers=60)
+    prompts = assets.heldout_prompts()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    specs = method_specs(args.methods, args.ks)
+    results = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens,
+               "batch_sizes": args.batch_sizes, "configs": {}}
+    total, done, t0 = len(args.configs) * len(specs), 0, time.time()
+    for cfg in args.configs:
+        rows = results["configs"].setdefault(cfg, [])
+        for method, k in specs:
+            cells = run_engine(targets[cfg], method, k, args.batch_sizes, args.max_tokens, prompts,
+                               args.min_tokens_per_cell)
+            rows.append({"method": method, "k": k, "cells": cells})
+            done += 1
+            summary = "  ".join(f"b{c['batch_size']}: {c['tokens_per_s']:.0f} tok/s tau {c['tau']:.2f}"
+                                for c in cells)
+            el = time.time() - t0
+            print(f"[{done}/{total}, {el / 60:.1f} min, eta {el / done * (total - done) / 60:.1f} min] "
+                  f"{cfg} {method} K={k}: {summary}", flush=True)
+            out.write_text(json.dumps(results, indent=1) + "\n")
+    png = out.with_suffix(".png")
+    plot(results, args.batch_sizes, png)
+    print(markdown(results, args.batch_sizes))
+    print(f"\nwrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
