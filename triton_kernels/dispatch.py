@@ -188,11 +188,16 @@ def register_cpu_fallbacks(force: bool = False) -> bool:
 
     Like ``CpuPlatform.register_triton_kernel_overrides`` it does nothing
     when vLLM sees a usable Triton (``vllm.triton_utils.HAS_TRITON``) unless
-    ``force``. Idempotent. Returns True if the overrides are registered.
+    ``force``. It also does nothing under ``TRITON_INTERPRET=1``, where the
+    caller asked for the Triton kernels themselves in the interpreter (the
+    kernel tests run in the same process as tests that load the plugin).
+    Idempotent. Returns True if the overrides are registered.
     """
     global _registered
     if _registered:
         return True
+    if not force and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
     from vllm.triton_utils import HAS_TRITON
     from vllm.triton_utils.dispatcher import register_kernels
 
