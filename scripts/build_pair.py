@@ -32,7 +32,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import sysconfig
 import time
 import zlib
@@ -42,7 +41,6 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from vllm_eagle_tree.heads import EagleHead  # noqa: E402
 
 EOS = "<|endoftext|>"

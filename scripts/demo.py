@@ -12,13 +12,10 @@ sets up `.venv` first.
 """
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main():

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from vllm_eagle_tree import assets  # noqa: E402
 
 DEFAULT_EXTRA_LAYERS = 60

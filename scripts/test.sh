@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest "$@"
+# -P: do not put the current directory (the repo root) on sys.path, where
+# triton_kernels/ would shadow the top-level name vLLM probes (DESIGN.md 5).
+exec .venv/bin/python -P -m pytest "$@"

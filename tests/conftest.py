@@ -4,7 +4,6 @@ The environment is set before anything imports vLLM: the engine runs in the
 test process (VLLM_ENABLE_V1_MULTIPROCESSING=0, init ~3 s instead of ~20 s),
 which also makes plugin registration happen in this process.
 """
-import gc
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -17,29 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-
-def make_llm(**kwargs):
-    """An in-process LLM on the bundled target, greedy-reproducible settings."""
-    from vllm import LLM
-
-    from vllm_eagle_tree import assets
-
-    opts = dict(model=str(assets.TARGET), dtype="float32", enforce_eager=True,
-                max_model_len=1024, disable_log_stats=False, seed=0)
-    opts.update(kwargs)
-    return LLM(**opts)
-
-
-def free_llm(llm):
-    del llm
-    gc.collect()
-
-
-def greedy_token_ids(llm, prompts, max_tokens):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+from vllm_helpers import free_llm, greedy_token_ids, make_llm  # noqa: E402
 
 
 _VANILLA_CACHE: dict = {}

@@ -13,7 +13,7 @@ import torch
 from vllm_eagle_tree import assets
 from vllm_eagle_tree.plugin import UnsupportedVLLMVersion, check_vllm_version
 
-from .conftest import free_llm, greedy_token_ids, make_llm
+from vllm_helpers import free_llm, greedy_token_ids, make_llm
 
 ASSET_LIMIT_MB = 40
 
@@ -37,11 +37,28 @@ def test_unsupported_versions_fail_clearly(version):
 
 
 def test_triton_kernels_not_top_level():
-    """vLLM probes a top-level `triton_kernels` for OpenAI's MoE kernels."""
+    """vLLM probes a top-level `triton_kernels` for OpenAI's MoE kernels
+    (vllm/utils/import_utils.py has_triton_kernels): ours must only be
+    importable as vllm_eagle_tree.triton_kernels, also in the test process."""
     import importlib.util
+    from pathlib import Path
 
-    assert importlib.util.find_spec("triton_kernels") is None or \
-        "vllm_eagle_tree" not in (importlib.util.find_spec("triton_kernels").origin or "")
+    spec = importlib.util.find_spec("triton_kernels")
+    assert spec is None or not Path(spec.origin).resolve().is_relative_to(assets.ROOT), spec
+    ours = importlib.util.find_spec("vllm_eagle_tree.triton_kernels")
+    assert Path(ours.origin).resolve() == assets.ROOT / "triton_kernels" / "__init__.py"
+
+
+def test_scripts_do_not_expose_triton_kernels():
+    """Loading a script the README runs must not make the repo's
+    triton_kernels/ importable as a top-level module."""
+    for script in ("demo.py", "bench_baseline.py", "build_pair.py", "make_deep_target.py"):
+        code = (f"import runpy, importlib.util; runpy.run_path({str(assets.ROOT / 'scripts' / script)!r}, "
+                "run_name='not_main'); print(importlib.util.find_spec('triton_kernels'))")
+        out = subprocess.run([sys.executable, "-P", "-c", code], cwd=assets.ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == "None", (script, out.stdout)
 
 
 REGISTRY_SCRIPT = textwrap.dedent("""
