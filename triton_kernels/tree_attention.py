@@ -76,6 +76,24 @@ def _attn_tile(q, k, v, qk_scale, visible, m_i, l_i, acc,
 
 
 @triton.jit
+def _load_kv_tile(k_head, v_head, bt_row, slot, ok, offs_d, d_ok,
+                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                  PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V rows of the logical ``slot``s (rows where ``ok``) from the paged cache."""
+    page = tl.load(bt_row + slot // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+    row = slot % PAGE_SIZE
+    ld_mask = ok[:, None] & d_ok[None, :]
+    k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_ks
+                + offs_d[None, :] * stride_kd, mask=ld_mask, other=0.0)
+    v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vs
+                + offs_d[None, :] * stride_vd, mask=ld_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _tree_attn_fwd_kernel(
     Q, KCache, VCache, Out, TreeMask, BlockTable, SeqLens, CuQLens, TreeLens,
     PartO, PartLse,
@@ -150,16 +168,9 @@ def _tree_attn_fwd_kernel(
     for t in range(t_lo, t_hi):
         slot = t * BLOCK_N + offs_n
         kv_ok = slot < ctx_len
-        page = tl.load(bt_row + slot // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        row = slot % PAGE_SIZE
-        ld_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_ks
-                    + offs_d[None, :] * stride_kd, mask=ld_mask, other=0.0)
-        v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vs
-                    + offs_d[None, :] * stride_vd, mask=ld_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(k_head, v_head, bt_row, slot, kv_ok, offs_d, d_ok,
+                             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                             PAGE_SIZE, UPCAST)
         m_i, l_i, acc = _attn_tile(q, k, v, qk_scale, kv_ok[None, :], m_i, l_i, acc,
                                    UPCAST, DOT_PRECISION)
 
@@ -168,17 +179,9 @@ def _tree_attn_fwd_kernel(
         for t in range(0, tl.cdiv(tree_end, BLOCK_N)):
             j = t * BLOCK_N + offs_n
             j_ok = j < tree_end
-            slot = ctx_len + j
-            page = tl.load(bt_row + slot // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
-            row = slot % PAGE_SIZE
-            ld_mask = j_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_ks
-                        + offs_d[None, :] * stride_kd, mask=ld_mask, other=0.0)
-            v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vs
-                        + offs_d[None, :] * stride_vd, mask=ld_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _load_kv_tile(k_head, v_head, bt_row, ctx_len + j, j_ok, offs_d, d_ok,
+                                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                                 PAGE_SIZE, UPCAST)
             words = tl.load(TreeMask + q_row[:, None] * stride_mt + (j // 32)[None, :],
                             mask=row_ok[:, None] & j_ok[None, :], other=0)
             visible = ((words >> (j % 32)[None, :]) & 1) != 0
