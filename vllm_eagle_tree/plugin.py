@@ -47,6 +47,28 @@ def check_vllm_version(version: str) -> None:
             f"(or leave it out of VLLM_PLUGINS).")
 
 
+def register_tree_attention_backend() -> None:
+    """Serve tree rows from vLLM's CPU attention backend (eagle2 workers only).
+
+    Called by ``adapter.worker.TreeCPUWorker.init_device`` before the model is
+    built, in eagle2 worker processes only.
+    """
+    # vLLM 0.32 `vllm.v1.attention.backends.registry.register_backend` for the
+    # `AttentionBackendEnum.CPU_ATTN` member, which `CpuPlatform.get_attn_backend_cls`
+    # (vllm/platforms/cpu.py:143-179) always picks for decoder models: the
+    # override `TreeCPUAttentionBackend` subclasses `CPUAttentionBackend` and
+    # behaves exactly like it unless the tree runner attached tree metadata.
+    # `_cached_get_attn_backend` (vllm/v1/attention/selector.py:203) memoises the
+    # class per process, so its cache is cleared for the override to apply to
+    # engines built after one without it (in-process tests).
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN,
+                     "vllm_eagle_tree.adapter.attention.TreeCPUAttentionBackend")
+    _cached_get_attn_backend.cache_clear()
+
+
 def register() -> None:
     """vLLM plugin hook. Idempotent; runs in every vLLM process."""
     global _REGISTERED

@@ -543,25 +543,33 @@ def wrap_create_speculative_config(original: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------
-# THE GATE: replace tree_runner_worker_cls() when the tree runner lands.
+# Which worker runs the trees
 # ---------------------------------------------------------------------------
-def tree_runner_worker_cls(settings: Eagle2Settings) -> str:
+TREE_WORKERS = {"cpu": "vllm_eagle_tree.adapter.worker.TreeCPUWorker"}
+
+
+def tree_runner_worker_cls(settings: Eagle2Settings, platform: str | None = None) -> str:
     """Qualified name of the worker class that runs eagle2 trees on this platform.
 
-    This is the one place to change when the tree runner exists: return e.g.
-    ``"vllm_eagle_tree.adapter.worker.TreeCPUWorker"`` on the CPU platform
-    (``"...TreeGPUWorker"`` on CUDA) and raise for platforms without one.
-    Until then it raises: an eagle2 config must never run as vLLM's chain.
+    The CPU platform has one (``adapter.worker.TreeCPUWorker``). Elsewhere this
+    raises :class:`Eagle2RunnerUnavailable`: an eagle2 config never runs as
+    vLLM's chain.
     """
+    if platform is None:
+        from vllm.platforms import current_platform
+
+        platform = "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
+    if platform in TREE_WORKERS:
+        return TREE_WORKERS[platform]
     t = settings.tree
     raise Eagle2RunnerUnavailable(
         f'speculative_config "method": "{METHOD}" is valid (head {settings.head_model!r}, '
         f"{'EAGLE-3' if settings.head_format == 'eagle3' else 'EAGLE-1'}; tree top_k={t.top_k}, "
         f"max_depth={t.max_depth}, num_nodes={t.num_nodes}"
-        f"{', adaptive' if settings.adaptive else ''}), but the eagle2 tree runner is not "
-        f"available yet in this version of vllm-eagle-tree, and eagle2 never falls back to "
-        f'a chain. Use "method": "{settings.head_format}" for vLLM\'s EAGLE chain with this '
-        f"head meanwhile.")
+        f"{', adaptive' if settings.adaptive else ''}), but this version of vllm-eagle-tree "
+        f"runs trees on the CPU platform only (platform here: {platform!r}; the GPU runner "
+        f"is not written yet), and eagle2 never falls back to a chain. Use "
+        f'"method": "{settings.head_format}" for vLLM\'s EAGLE chain with this head meanwhile.')
 
 
 def install_tree_runner(parallel_config, settings: Eagle2Settings) -> None:

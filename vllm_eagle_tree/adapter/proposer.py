@@ -1,0 +1,209 @@
+"""Tree drafting with vLLM's own EAGLE head (docs/INTEGRATION.md, step 9).
+
+:class:`TreeDrafter` wraps the ``EagleProposer`` vLLM built for the head
+(``method`` eagle/eagle3): it reuses its loaded model (vLLM's EAGLE classes,
+embeddings/lm_head shared with the target, EAGLE-3 ``combine_hidden_states``
+and reduced-vocabulary ``compute_logits``) and only replaces how the head is
+driven:
+
+1. **First pass** over each request's newly committed tokens: the accepted
+   path (root + accepted nodes, already compacted to ``ctx..ctx+acc``) after
+   a tree step, or all scheduled tokens after a prefill chunk / plain decode.
+   Inputs are shifted by one as in vLLM's chain (token at ``p+1`` with the
+   target feature at ``p``), draft KV lands in the same slots as the target's,
+   attention is causal over the draft context.
+2. **Expansion** with ``core.expand_tree``: each ``step_fn`` call runs the head
+   once on the ``B*k`` frontier nodes, writing their draft KV to scratch slots
+   past the committed context (``R + (depth-1)*k + j``) and attending to the
+   context plus their own ancestors' scratch slots.
+
+Draft position of a token = its target position - 1 (CONVENTIONS.md): the
+root (the step's bonus token) drafts at ``R - 1``, a depth-d node at
+``R + d - 1``, where ``R`` = committed tokens with KV after this step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.forward_context import set_forward_context
+
+from ..core import TreeBatch, TreeConfig, expand_tree
+from ..core.tree import pack_bits
+from .attention import TreeAttention, TreeOnlyMetadata
+
+__all__ = ["FirstPassRows", "TreeDrafter", "chain_mask"]
+
+
+def chain_mask(n: int) -> torch.Tensor:
+    """int32 [n, ceil(n/32)]: packed causal mask of n consecutive rows."""
+    return pack_bits(torch.ones(n, n, dtype=torch.bool).tril())
+
+
+@dataclass
+class FirstPassRows:
+    """One request's first-pass input, in target-batch terms.
+
+    Attributes:
+        batch_index: the request's row in the persistent batch (block table row).
+        src_rows:    target query rows whose features feed the draft (m+1 of them).
+        next_tokens: the m+1 draft input tokens (shifted by one).
+        context_len: ``ctx``: draft positions/slots are ``ctx + 0..m``.
+        slots:       int64 [m+1] physical slots of those positions.
+        grow_tree:   whether to expand a tree after the first pass.
+    """
+
+    batch_index: int
+    src_rows: list[int]
+    next_tokens: list[int]
+    context_len: int
+    slots: torch.Tensor
+    grow_tree: bool
+
+
+class TreeDrafter:
+    """Drafts EAGLE-2 trees with the head vLLM loaded (module docstring)."""
+
+    def __init__(self, proposer, vllm_config, tree_config: TreeConfig, block_size: int):
+        self.proposer = proposer  # vLLM's EagleProposer; its .model is the head
+        self.vllm_config = vllm_config
+        self.tree = tree_config
+        self.block_size = block_size
+        self.is_eagle3 = proposer.method == "eagle3"
+        self.layer_names: list[str] = sorted(proposer._draft_attn_layer_names)
+        if not self.layer_names:
+            raise RuntimeError("eagle2: the EAGLE head has no attention layer")
+
+    @property
+    def model(self):
+        return self.proposer.model
+
+    # ------------------------------------------------------------------ model
+    def _run(self, tokens, positions, hidden, slots, attn: TreeAttention):
+        """One head forward; returns (hidden for logits, hidden fed to the next step)."""
+        meta = TreeOnlyMetadata(attn)
+        with set_forward_context({name: meta for name in self.layer_names}, self.vllm_config,
+                                 num_tokens=tokens.numel(),
+                                 slot_mapping={name: slots for name in self.layer_names}):
+            # vLLM's C++ ops index these densely: pass contiguous tensors only.
+            ret = self.model(input_ids=tokens.contiguous(), positions=positions.contiguous(),
+                             hidden_states=hidden.contiguous())
+        if isinstance(ret, tuple):
+            return ret[0], ret[1]
+        return ret, ret
+
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _slots(self, block_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots of logical ``positions [B, n]`` for block-table rows [B, M]."""
+        bs = self.block_size
+        blocks = torch.gather(block_rows.long(), 1, positions // bs)
+        return (blocks * bs + positions % bs).reshape(-1)
+
+    # ------------------------------------------------------------------ draft
+    @torch.inference_mode()
+    def draft(self, reqs: list[FirstPassRows], target_hidden: torch.Tensor,
+              aux_hidden: list[torch.Tensor] | None, block_table: torch.Tensor,
+              ) -> list[tuple[list[int], list[int]] | None]:
+        """Run the first pass for ``reqs`` and grow trees where ``grow_tree``.
+
+        ``block_table`` holds the persistent batch's block-table rows. Returns
+        per request ``(parents, tokens)`` of its tree (root included) or None.
+        """
+        if not reqs:
+            return []
+        device = target_hidden.device
+        src = torch.tensor([r for q in reqs for r in q.src_rows], dtype=torch.long, device=device)
+        if self.is_eagle3:
+            assert aux_hidden is not None
+            feats = self.model.combine_hidden_states(torch.cat([h[src] for h in aux_hidden], -1))
+        else:
+            feats = target_hidden[src]
+        sizes = [len(q.src_rows) for q in reqs]
+        tokens = torch.tensor([t for q in reqs for t in q.next_tokens], dtype=torch.long,
+                              device=device)
+        positions = torch.cat([q.context_len + torch.arange(n, device=device)
+                               for q, n in zip(reqs, sizes)])
+        slots = torch.cat([q.slots for q in reqs]).to(device)
+        rows_bt = block_table[[q.batch_index for q in reqs]]
+        cu = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(sizes), 0)
+        w = (max(sizes) + 31) // 32
+        mask = torch.zeros(int(cu[-1]), w, dtype=torch.int32)
+        for i, n in enumerate(sizes):
+            mask[cu[i]:cu[i + 1], :(n + 31) // 32] = chain_mask(n)
+        attn = TreeAttention(
+            rows=torch.arange(int(cu[-1]), device=device), cu_q_lens=cu,
+            seq_lens=torch.tensor([q.context_len + n for q, n in zip(reqs, sizes)],
+                                  dtype=torch.int32),
+            tree_lens=torch.tensor(sizes, dtype=torch.int32), tree_mask=mask,
+            block_table=rows_bt)
+        last_h, next_h = self._run(tokens, positions, feats, slots, attn)
+
+        grow = [i for i, q in enumerate(reqs) if q.grow_tree]
+        out: list[tuple[list[int], list[int]] | None] = [None] * len(reqs)
+        if not grow:
+            return out
+        last_rows = (cu[1:] - 1).long()[grow]
+        root_logprobs = self._logprobs(last_h[last_rows])
+        root_hidden = next_h[last_rows]
+        root_tokens = torch.tensor([reqs[i].next_tokens[-1] for i in grow], dtype=torch.long)
+        # R: committed tokens with KV once this step is done (the root drafts at R-1).
+        commit = torch.tensor([reqs[i].context_len + sizes[i] for i in grow], dtype=torch.long)
+        grow_bt = rows_bt[grow]
+        k = self.tree.top_k
+        state = {"hidden": root_hidden.unsqueeze(1)}  # [B, k_prev, H] of the last frontier
+
+        def step_fn(frontier) -> torch.Tensor:
+            B, kk = frontier.tokens.shape
+            d = frontier.depth
+            parent_h = torch.gather(
+                state["hidden"], 1,
+                frontier.parent.unsqueeze(-1).expand(B, kk, state["hidden"].shape[-1]))
+            pos = (commit.unsqueeze(1) + (d - 1)).repeat(1, kk)  # draft position R + d - 1
+            scratch = commit.unsqueeze(1) + frontier.slots.unsqueeze(0)  # logical slot
+            slot = self._slots(grow_bt, scratch)
+            mask = pack_bits(frontier.ancestor_mask.reshape(B * kk, -1))
+            attn = TreeAttention(
+                rows=torch.arange(B * kk), cu_q_lens=torch.arange(B + 1, dtype=torch.int32) * kk,
+                seq_lens=(commit + d * kk).to(torch.int32),
+                tree_lens=torch.full((B,), d * kk, dtype=torch.int32), tree_mask=mask,
+                block_table=grow_bt)
+            lh, nh = self._run(frontier.tokens.reshape(-1), pos.reshape(-1),
+                               parent_h.reshape(B * kk, -1), slot, attn)
+            state["hidden"] = nh.reshape(B, kk, -1)
+            return self._logprobs(lh).reshape(B, kk, -1)
+
+        assert k >= 1
+        tree = expand_tree(self.tree, root_tokens, root_logprobs, step_fn,
+                           context_len=commit.to(torch.int32))
+        cu_n = tree.cu_nodes.tolist()
+        parents = tree.parent.tolist()
+        toks = tree.token.tolist()
+        for j, i in enumerate(grow):
+            a, b = cu_n[j], cu_n[j + 1]
+            out[i] = (parents[a:b], toks[a:b])
+        return out
+
+
+def tree_from_cache(cached: tuple[list[int], list[int]] | None, drafts: list[int],
+                    root_token: int) -> tuple[list[int], list[int]]:
+    """The tree the scheduler sent back: ``(parents, tokens)`` of the cached tree's
+    first ``len(drafts) + 1`` nodes (the scheduler only truncates, so this is a
+    prefix of what was proposed). If the tokens do not match the cache (e.g.
+    placeholder drafts of a resumed request), the drafts verify as a chain of
+    their own, which is still lossless."""
+    n = len(drafts) + 1
+    if cached is not None:
+        parents, tokens = cached
+        if len(parents) >= n and tokens[1:n] == list(drafts):
+            return parents[:n], [root_token] + list(drafts)
+    if any(t < 0 for t in drafts):
+        return [-1], [root_token]  # placeholders: no tree, just the root
+    return [-1] + list(range(n - 1)), [root_token] + list(drafts)
+
+
+def tree_batch(trees: list[tuple[list[int], list[int]]], context_lens: list[int]) -> TreeBatch:
+    return TreeBatch.from_parents([p for p, _ in trees], [t for _, t in trees], context_lens)

@@ -1,0 +1,328 @@
+"""The eagle2 model runner: vLLM 0.32's V1 runner with trees (docs/INTEGRATION.md 2-9).
+
+One step of a tree request, in the order vLLM runs it:
+
+1. ``_prepare_inputs``: vLLM lays out the scheduled drafts as a flat chain
+   (slot of node i = ``ctx + i``). We recover each request's tree from the
+   drafts we proposed (:func:`proposer.tree_from_cache`) and rewrite the
+   rotary positions of its nodes to ``ctx + depth`` (slots stay flat).
+2. ``_build_attention_metadata``: the tree rows, their ancestor masks and
+   block-table rows are attached to the CPU attention metadata, which the
+   tree attention backend (``adapter.attention``) reads.
+3. The target runs once over every node of every tree.
+4. ``_sample``: vLLM samples the rows without drafts (prefills, plain
+   decodes, fallback requests: penalties, logprobs etc. stay vLLM's); tree
+   requests are verified with ``core.verify`` (lossless for greedy,
+   temperature, top-k, top-p and per-request seeds) and their rows of the
+   sampled-token tensor replaced by ``[accepted..., bonus, -1...]``. The
+   accepted path's KV is then compacted to ``ctx+1..ctx+acc`` in every layer
+   before anything else reads the cache.
+5. ``propose_draft_token_ids``: :class:`proposer.TreeDrafter` drafts the next
+   trees; the scheduler gets nodes 1..n-1 as the draft list and rolls back
+   ``num_computed_tokens`` by the rejected count as for a chain.
+
+Requests whose sampling needs something the tree path does not do
+(:func:`tree_fallback_reason`) are never drafted for: they run as plain
+decodes in the same batch, with a one-time warning.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from ..core import TreeBatch, verify
+from .attention import TREE_METADATA_ATTR, TreeAttention
+from .config import Eagle2Settings
+from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
+from .proposer import FirstPassRows, TreeDrafter, tree_from_cache
+
+logger = logging.getLogger("vllm_eagle_tree")
+
+__all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "tree_fallback_reason"]
+
+
+def tree_fallback_reason(req_state) -> str | None:
+    """Why a request cannot be drafted as a tree (None: it can)."""
+    sp = req_state.sampling_params
+    if sp is None:
+        return "pooling request"
+    if req_state.lora_request is not None:
+        return "LoRA"
+    checks = [
+        (sp.logprobs is not None, "logprobs"),
+        (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+         or sp.repetition_penalty != 1.0, "penalties"),
+        (sp.min_p > 0.0, "min_p"),
+        (sp.min_tokens > 0, "min_tokens"),
+        (bool(sp.logit_bias), "logit_bias"),
+        (sp.allowed_token_ids is not None, "allowed_token_ids"),
+        (bool(sp.bad_words) or bool(getattr(sp, "_bad_words_token_ids", None)), "bad_words"),
+        (sp.structured_outputs is not None, "structured output"),
+        (bool(sp.extra_args), "extra_args (custom logits processors)"),
+        (getattr(sp, "thinking_token_budget", None) is not None, "thinking_token_budget"),
+        (getattr(sp, "logprob_token_ids", None) is not None, "logprob_token_ids"),
+        (bool(getattr(sp, "watermarking", None)), "watermarking"),
+        (getattr(sp, "repetition_detection", None) is not None, "repetition_detection"),
+    ]
+    for bad, what in checks:
+        if bad:
+            return what
+    return None
+
+
+class _TreeStep:
+    """The tree requests of the step being executed."""
+
+    def __init__(self):
+        self.batch_index: list[int] = []   # row in the persistent batch
+        self.req_ids: list[str] = []
+        self.q_start: list[int] = []       # first flat query row (the root)
+        self.context_len: list[int] = []   # num_computed_tokens before the step
+        self.trees: list[tuple[list[int], list[int]]] = []  # (parents, tokens)
+        self.tree: TreeBatch | None = None
+        self.accepted: dict[int, tuple[list[int], int]] = {}  # batch row -> (nodes, bonus)
+
+    def __bool__(self) -> bool:
+        return bool(self.batch_index)
+
+
+class TreeRunnerMixin:
+    """Tree logic shared by the CPU (and, later, GPU) V1 runner subclasses."""
+
+    # ------------------------------------------------------------- set-up
+    def _init_tree_runner(self) -> None:
+        self.eagle2 = Eagle2Settings.from_vllm_config(self.vllm_config)
+        if self.eagle2 is None:
+            raise RuntimeError("the eagle2 tree runner was started without eagle2 settings")
+        if self.uses_mrope:
+            raise NotImplementedError('"method": "eagle2" does not support M-RoPE models yet')
+        self._trees: dict[str, tuple[list[int], list[int]]] = {}
+        self._tree_step = _TreeStep()
+        self._warned: set[str] = set()
+        self.tree_drafter: TreeDrafter | None = None
+        self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
+                           "accepted_per_depth": [0] * self.eagle2.tree.max_depth,
+                           "drafted_per_depth": [0] * self.eagle2.tree.max_depth}
+
+    def _after_kv_cache_init(self) -> None:
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise NotImplementedError(
+                f'"method": "eagle2" needs one KV cache group for the target and the head, '
+                f"got {len(groups)}")
+        spec = groups[0].kv_cache_spec
+        self._tree_block_size = self.input_batch.block_table[0].block_size
+        probe_cpu_kv_layout(self.model_config.dtype, self._tree_block_size, spec.head_size)
+        for kv in self.kv_caches:
+            if kv.shape[2] != self._tree_block_size:
+                raise NotImplementedError(
+                    f"eagle2: KV cache block size {kv.shape[2]} differs from the block "
+                    f"table's {self._tree_block_size}")
+        self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
+                                        self._tree_block_size)
+
+    def _warn_once(self, what: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("eagle2: requests using %s run without speculation (the tree "
+                           "path does not support it yet)", what)
+
+    # ------------------------------------------------------- 1. positions
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        step = _TreeStep()
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_reqs = self.input_batch.num_reqs
+        qsl = self.query_start_loc.np
+        live = set(self.input_batch.req_ids[:num_reqs])
+        for req_id in list(self._trees):
+            if req_id not in live:
+                del self._trees[req_id]
+        if spec:
+            for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+                drafts = spec.get(req_id)
+                if not drafts:
+                    continue
+                q0 = int(qsl[i])
+                ctx = int(self.input_batch.num_computed_tokens_cpu[i])
+                root = int(self.input_ids.cpu[q0])
+                parents, tokens = tree_from_cache(self._trees.get(req_id), drafts, root)
+                step.batch_index.append(i)
+                step.req_ids.append(req_id)
+                step.q_start.append(q0)
+                step.context_len.append(ctx)
+                step.trees.append((parents, tokens))
+        if step:
+            step.tree = TreeBatch.from_parents([p for p, _ in step.trees],
+                                               [t for _, t in step.trees], step.context_len)
+            sizes = step.tree.sizes.tolist()
+            rows = torch.cat([q0 + torch.arange(n) for q0, n in zip(step.q_start, sizes)])
+            self.positions[rows] = (step.tree.context_len.long().repeat_interleave(
+                step.tree.sizes.long()) + step.tree.depth.long()).to(self.positions.dtype)
+        self._tree_step = step
+        return out
+
+    # --------------------------------------------------- 2. attention mask
+    def _tree_attention(self, block_table: torch.Tensor) -> TreeAttention | None:
+        step = self._tree_step
+        if not step or step.tree is None:
+            return None
+        sizes = step.tree.sizes
+        keep = (sizes > 1).nonzero().flatten().tolist()  # a lone root is a plain decode
+        if not keep:
+            return None
+        sub = TreeBatch.cat([step.tree.request(b) for b in keep])
+        rows = torch.cat([step.q_start[b] + torch.arange(int(sizes[b])) for b in keep])
+        return TreeAttention(
+            rows=rows.to(self.positions.device), cu_q_lens=sub.cu_nodes,
+            seq_lens=(sub.context_len + sub.sizes).to(torch.int32),
+            tree_lens=sub.sizes.to(torch.int32), tree_mask=sub.packed_mask(),
+            block_table=block_table[[step.batch_index[b] for b in keep]])
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        result = super()._build_attention_metadata(*args, **kwargs)
+        step = self._tree_step
+        if step:
+            per_layer = result[0]
+            dicts = per_layer if isinstance(per_layer, list) else [per_layer]
+            tree = None
+            for d in dicts:
+                for md in d.values():
+                    if tree is None:
+                        tree = self._tree_attention(md.block_table)
+                    setattr(md, TREE_METADATA_ATTR, tree)
+        return result
+
+    # ------------------------------------------ 4. verification, compaction
+    def _sample(self, logits, spec_decode_metadata):
+        out = super()._sample(logits, spec_decode_metadata)
+        step = self._tree_step
+        if not step:
+            return out
+        assert spec_decode_metadata is not None
+        tree = step.tree
+        # logits rows: num_draft + 1 per request, in batch order
+        rows_per_req = np.asarray(spec_decode_metadata.num_draft_tokens) + 1
+        start = np.concatenate([[0], np.cumsum(rows_per_req)[:-1]])
+        sizes = tree.sizes.tolist()
+        rows = torch.cat([int(start[i]) + torch.arange(n)
+                          for i, n in zip(step.batch_index, sizes)]).to(logits.device)
+        temp, top_k, top_p, gens = [], [], [], []
+        for req_id in step.req_ids:
+            st = self.requests[req_id]
+            sp = st.sampling_params
+            temp.append(sp.temperature)
+            top_k.append(sp.top_k if sp.top_k is not None else 0)
+            top_p.append(sp.top_p)
+            gens.append(st.generator)
+        res = verify(tree, logits[rows], torch.tensor(temp, dtype=torch.float32),
+                     torch.tensor(top_k, dtype=torch.int64),
+                     torch.tensor(top_p, dtype=torch.float32), gens)
+        sampled = out.sampled_token_ids
+        num_acc = res.num_accepted.tolist()
+        for j, i in enumerate(step.batch_index):
+            emitted = res.emitted(j)
+            sampled[i].fill_(-1)
+            sampled[i, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
+            step.accepted[i] = (res.accepted_nodes[j, :num_acc[j]].tolist(), emitted[-1])
+        if any(num_acc):
+            bt = self.input_batch.block_table[0].get_cpu_tensor()[step.batch_index]
+            cpu_compact_kv(self._unique_kv_caches(), bt, tree.context_len, res.num_accepted,
+                           res.accepted_nodes)
+        self._record_tree_stats(tree, res)
+        return out
+
+    def _unique_kv_caches(self) -> list[torch.Tensor]:
+        seen, caches = set(), []
+        for kv in self.kv_caches:
+            key = (kv.data_ptr(), kv.storage_offset())
+            if key not in seen:
+                seen.add(key)
+                caches.append(kv)
+        return caches
+
+    def _record_tree_stats(self, tree: TreeBatch, res) -> None:
+        s = self.tree_stats
+        s["steps"] += 1
+        s["tree_requests"] += tree.num_requests
+        s["nodes"] += tree.total - tree.num_requests
+        depth_counts = torch.bincount(tree.depth.long(), minlength=len(s["drafted_per_depth"]) + 1)
+        for d in range(1, len(s["drafted_per_depth"]) + 1):
+            s["drafted_per_depth"][d - 1] += int(depth_counts[d])
+        for n in res.num_accepted.tolist():
+            for d in range(n):
+                s["accepted_per_depth"][d] += 1
+
+    # ------------------------------------------------------------ 5. drafts
+    def _input_fits_in_drafter(self, *args, **kwargs) -> bool:
+        # The tree drafter checks each request itself (propose_draft_token_ids).
+        return True
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+        num_reqs = self.input_batch.num_reqs
+        step = self._tree_step
+        qsl = self.query_start_loc.np
+        discard = self.discard_request_mask.np[:num_reqs]
+        sampled = sampled_token_ids.tolist() if torch.is_tensor(sampled_token_ids) \
+            else sampled_token_ids
+        flat_slots = self.input_batch.block_table[0].slot_mapping.cpu
+        max_len = self.max_model_len
+        scratch = self.eagle2.draft_scratch_slots
+        reqs: list[FirstPassRows] = []
+        for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+            st = self.requests[req_id]
+            reason = tree_fallback_reason(st)
+            if reason is not None:
+                self._warn_once(reason)
+                continue
+            n_sched = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if n_sched == 0:
+                continue
+            q0 = int(qsl[i])
+            ctx = int(self.input_batch.num_computed_tokens_cpu[i])
+            if i in step.accepted:
+                nodes, bonus = step.accepted[i]
+                src = [q0] + [q0 + a for a in nodes]
+                nxt = [int(self.input_ids.cpu[q0 + a]) for a in nodes] + [bonus]
+            else:
+                src = list(range(q0, q0 + n_sched))
+                if discard[i]:
+                    nxt_tok = st.get_token_id(ctx + n_sched)
+                else:
+                    valid = [t for t in sampled[i] if t >= 0]
+                    nxt_tok = valid[-1]
+                nxt = [int(self.input_ids.cpu[r]) for r in src[1:]] + [int(nxt_tok)]
+            m = len(src)
+            commit = ctx + m
+            grow = (not discard[i]) and commit + scratch < max_len
+            reqs.append(FirstPassRows(batch_index=i, src_rows=src, next_tokens=nxt,
+                                      context_len=ctx, slots=flat_slots[q0:q0 + m].clone(),
+                                      grow_tree=grow))
+        bt = self.input_batch.block_table[0].get_cpu_tensor()
+        trees = self.tree_drafter.draft(reqs, hidden_states, aux_hidden_states, bt)
+        drafts: list[list[int]] = [[] for _ in range(num_reqs)]
+        for q, t in zip(reqs, trees):
+            req_id = self.input_batch.req_ids[q.batch_index]
+            if t is None:
+                self._trees.pop(req_id, None)
+                continue
+            self._trees[req_id] = t
+            drafts[q.batch_index] = t[1][1:]
+        return drafts
+
+
+class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
+    """vLLM 0.32 ``CPUModelRunner`` running eagle2 trees."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self._init_tree_runner()
+
+    def initialize_kv_cache(self, *args, **kwargs):
+        super().initialize_kv_cache(*args, **kwargs)
+        self._after_kv_cache_init()

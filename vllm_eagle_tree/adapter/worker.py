@@ -1,0 +1,30 @@
+"""Worker classes that run eagle2 (selected through ``parallel_config.worker_cls``
+by ``adapter.config.install_tree_runner``; docs/INTEGRATION.md, step 2)."""
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+__all__ = ["TreeCPUWorker"]
+
+
+class TreeCPUWorker(CPUWorker):
+    """vLLM 0.32 ``CPUWorker`` whose model runner drafts and verifies trees.
+
+    ``CPUWorker.init_device`` builds its ``CPUModelRunner`` inline (no factory
+    method), so the runner is replaced right after it, before the model is
+    loaded (the first runner holds only buffers).
+    """
+
+    def init_device(self):
+        from vllm_eagle_tree.plugin import register_tree_attention_backend
+
+        from .runner import TreeCPUModelRunner
+
+        if self.use_v2_model_runner:
+            raise NotImplementedError(
+                '"method": "eagle2" runs on vLLM\'s V1 model runner; unset '
+                "VLLM_USE_V2_MODEL_RUNNER")
+        register_tree_attention_backend()
+        super().init_device()
+        self.model_runner = TreeCPUModelRunner(self.vllm_config, torch.device("cpu"))
