@@ -39,6 +39,7 @@ from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
 from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
 
 __all__ = ["cpu_kv_views", "probe_cpu_kv_layout", "cpu_tree_attention", "cpu_compact_kv",
+           "padded_tree_attention",
            "KNOWN_ISAS"]
 
 KNOWN_ISAS = ("vec", "vec16")
@@ -115,14 +116,69 @@ def cpu_tree_attention(
 ) -> torch.Tensor:
     """Tree attention of ``query [total_q, Hq, D]`` over one layer's CPU_ATTN cache.
 
-    Arguments as ``triton_kernels.tree_attention_ref`` (``seq_lens`` = context +
-    tree keys per request, ``tree_mask`` int32 ``[total_q, W]``), with the
-    cache given as vLLM's CPU tensor. The tree nodes' K/V must already be in
-    the cache (vLLM's ``do_kv_cache_update`` runs before attention).
+    Arguments and result as ``triton_kernels.tree_attention_ref`` (``seq_lens``
+    = context + tree keys per request, ``tree_mask`` int32 ``[total_q, W]``
+    over the trailing ``tree_lens`` keys), with the cache given as vLLM's CPU
+    tensor. The tree nodes' K/V must already be in the cache (vLLM's
+    ``do_kv_cache_update`` runs before attention). All requests are computed
+    at once, padded to the longest query and key range (the reference loops
+    over requests; tests check the two agree).
     """
     key, value = cpu_kv_views(kv_cache)
-    return tree_attention_ref(query, key, value, block_table, seq_lens, cu_q_lens, tree_mask,
-                              scale, tree_lens=tree_lens, out=out)
+    if seq_lens.numel() <= 2:  # measured: the per-request loop is faster for tiny batches
+        return tree_attention_ref(query, key, value, block_table, seq_lens, cu_q_lens,
+                                  tree_mask, scale, tree_lens=tree_lens, out=out)
+    return padded_tree_attention(query, key, value, block_table, seq_lens, cu_q_lens,
+                                 tree_mask, scale, tree_lens=tree_lens, out=out)
+
+
+def padded_tree_attention(q, key_cache, value_cache, block_table, seq_lens, cu_q_lens,
+                          tree_mask, scale, tree_lens=None, out=None):
+    """Batched form of ``tree_attention_ref`` (same arguments, caches
+    ``[num_blocks, block_size, Hkv, D]``): one padded gather and two einsums."""
+    from vllm_eagle_tree.triton_kernels.tree_attention import unpack_tree_mask
+
+    total_q, hq, d = q.shape
+    page, hkv = key_cache.shape[1], key_cache.shape[2]
+    group = hq // hkv
+    device = q.device
+    if out is None:
+        out = torch.empty_like(q)
+    B = seq_lens.numel()
+    if B == 0 or total_q == 0:
+        return out
+    cu = cu_q_lens.to(device=device, dtype=torch.long)
+    n = cu[1:] - cu[:-1]
+    L = seq_lens.to(device=device, dtype=torch.long)
+    tl = n if tree_lens is None else tree_lens.to(device=device, dtype=torch.long)
+    ctx = L - tl
+    nmax, lmax = int(n.max()), int(L.max())
+    # keys: [B, lmax, Hkv, D]
+    slots = torch.arange(lmax, device=device)
+    blk = (slots // page).clamp(max=block_table.shape[1] - 1)
+    pages = block_table.to(device).long()[:, blk]
+    rows = (slots % page).expand(B, lmax)
+    k = key_cache[pages, rows].float()
+    v = value_cache[pages, rows].float()
+    # queries: [B, nmax, Hq, D]; qi < n[b] are real rows
+    qi = torch.arange(nmax, device=device)
+    real = qi.unsqueeze(0) < n.unsqueeze(1)  # [B, nmax]
+    src = (cu[:-1].unsqueeze(1) + qi.unsqueeze(0)).clamp(max=total_q - 1)
+    qp = q[src].float().view(B, nmax, hkv, group, d)
+    # visibility [B, nmax, lmax]
+    rel = slots.unsqueeze(0) - ctx.unsqueeze(1)  # [B, lmax] tree-key index
+    wmax = int(tl.max())
+    bits = unpack_tree_mask(tree_mask[src.reshape(-1)], max(wmax, 1)).view(B, nmax, -1)
+    in_tree = (rel >= 0) & (slots.unsqueeze(0) < L.unsqueeze(1))
+    tree_vis = torch.gather(bits, 2, rel.clamp(0, max(wmax, 1) - 1).unsqueeze(1)
+                            .expand(B, nmax, lmax))
+    visible = (rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & tree_vis)
+    s = torch.einsum("bnkgd,blkd->bkgnl", qp, k) * scale
+    s = s.masked_fill(~visible.view(B, 1, 1, nmax, lmax), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+    o = torch.einsum("bkgnl,blkd->bnkgd", p, v).reshape(B, nmax, hq, d)
+    out[src[real]] = o[real].to(out.dtype)
+    return out
 
 
 def cpu_compact_kv(

@@ -28,3 +28,11 @@ class TreeCPUWorker(CPUWorker):
         register_tree_attention_backend()
         super().init_device()
         self.model_runner = TreeCPUModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def eagle2_stats(self) -> dict:
+        """The runner's tree counters (``LLM.collective_rpc("eagle2_stats")``):
+        verify steps, tree requests, drafted nodes, drafted and accepted
+        nodes per depth. Cumulative since start-up."""
+        import copy
+
+        return copy.deepcopy(self.model_runner.tree_stats)

@@ -1,0 +1,70 @@
+"""eagle2 engines in other configurations, each built after the vanilla
+reference and freed before the next (vLLM 0.32 in-process engines must not
+overlap): prefix caching off with chunked prefill, a KV cache small enough to
+force preemption, the EAGLE-3 head."""
+from __future__ import annotations
+
+import pytest
+from vllm import SamplingParams
+
+from vllm_eagle_tree import assets
+from vllm_helpers import free_llm, make_llm
+
+from test_eagle2_engine import (GREEDY, MAX_TOKENS, PROMPTS, _speculated, assert_same, eagle2,
+                                in_batches, run, spec_counters)
+
+
+@pytest.fixture(scope="module")
+def vanilla_greedy_200():
+    llm = make_llm(max_num_seqs=32)
+    out = run(llm, PROMPTS, GREEDY)
+    free_llm(llm)
+    return out
+
+
+@pytest.mark.slow
+def test_greedy_identical_prefix_caching_off_chunked(vanilla_greedy_200):
+    """Prefix caching off; a 256-token budget splits prompts across steps
+    (chunked prefill) and mixes prefill chunks with tree decodes. 200 prompts
+    at batch sizes 1, 8 and 32."""
+    llm = make_llm(speculative_config=eagle2(), max_num_seqs=32,
+                   enable_prefix_caching=False, max_num_batched_tokens=256)
+    try:
+        for batch in (1, 8, 32):
+            before = spec_counters(llm)
+            got = in_batches(llm, PROMPTS, GREEDY, batch)
+            assert_same(got, vanilla_greedy_200, f"batch {batch}, prefix caching off, chunked")
+            _speculated(llm, before)
+    finally:
+        free_llm(llm)
+
+
+def _metric(llm, name):
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def test_preemption_and_recompute(vanilla_greedy_200):
+    """A KV cache far too small for the batch (12 blocks of 128 tokens for 48
+    requests): requests are preempted, recomputed and resumed; output unchanged."""
+    llm = make_llm(speculative_config=eagle2(), max_num_seqs=32, num_gpu_blocks_override=12,
+                   enable_prefix_caching=False)
+    try:
+        before = spec_counters(llm)
+        got = run(llm, PROMPTS[:48], GREEDY)
+        preempted = _metric(llm, "vllm:num_preemptions")
+        d = _speculated(llm, before)
+    finally:
+        free_llm(llm)
+    assert preempted > 0, "the test did not cause preemption"
+    assert_same(got, vanilla_greedy_200[:48], f"preemption ({preempted} preemptions, {d})")
+
+
+def test_eagle3_head_greedy_identical(vanilla_greedy_200):
+    llm = make_llm(speculative_config=eagle2("eagle3"), max_num_seqs=32)
+    try:
+        before = spec_counters(llm)
+        got = run(llm, PROMPTS[:64], GREEDY)
+        _speculated(llm, before)
+    finally:
+        free_llm(llm)
+    assert_same(got, vanilla_greedy_200[:64], "EAGLE-3 head")
