@@ -1,0 +1,60 @@
+"""eagle2 with tensor parallelism 2 on vLLM's `mp` executor (DESIGN.md 1):
+greedy output identical to TP=2 without speculation (TP=2 and TP=1 differ in
+the last bits, so the reference is TP=2 too). Both ranks draft and verify the
+same trees; the test also checks that both ranks' tree counters agree."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vllm_eagle_tree import assets
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    if __name__ == "__main__":
+        spec = json.loads(sys.argv[3]) if sys.argv[3] != "null" else None
+        llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=512,
+                  tensor_parallel_size=2, distributed_executor_backend="mp",
+                  speculative_config=spec, seed=0)
+        prompts = json.loads(open(sys.argv[2]).read())
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)
+        stats = llm.collective_rpc("eagle2_stats") if spec else None
+        print("RESULT " + json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs],
+                                      "stats": stats}))
+""")
+
+
+def _run(tmp_path, spec):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(assets.heldout_prompts(32)))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
+               VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(script), str(assets.TARGET), str(prompts),
+                           json.dumps(spec)], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_tp2_mp_identical_to_tp2_without_speculation(tmp_path):
+    want = _run(tmp_path, None)["ids"]
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5}
+    got = _run(tmp_path, spec)
+    bad = [i for i, (a, b) in enumerate(zip(got["ids"], want)) if a != b]
+    assert not bad, f"{len(bad)} of {len(want)} differ, first #{bad[0]}"
+    s0, s1 = got["stats"]
+    assert s0 == s1, "the two TP ranks verified different trees"
+    assert s0["tree_requests"] > 0 and sum(s0["accepted_per_depth"]) > 0
