@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""Baseline benchmark: vanilla vLLM and vLLM's own EAGLE chain, side by side.
+"""Benchmark: vanilla vLLM, vLLM's own EAGLE chain and eagle2 trees, side by side.
 
 For each target configuration (the bundled pair, and the cost-realistic deep
 target from scripts/make_deep_target.py) and each method (vanilla; `eagle`
-and `eagle3` chains with K = 1..6), one in-process vLLM engine generates
+and `eagle3` chains with K = 1..6; `eagle2` / `eagle2-eagle3`: this plugin's
+trees over the EAGLE-1 / EAGLE-3 head, one row per --trees entry
+N x depth x top-k), one in-process vLLM engine generates
 greedy completions of held-out prompts at batch sizes 1, 4, 16 and 64.
 Reported per cell: generated tokens/s (wall clock) and tau, the mean number
 of tokens emitted per target forward (accepted draft tokens + 1).
 
     .venv/bin/python scripts/bench_baseline.py                 # full grid
     .venv/bin/python scripts/bench_baseline.py --quick         # K in {1,3,6}, batch {1,16}
+    .venv/bin/python scripts/bench_baseline.py --configs deep \
+        --methods vanilla eagle3 eagle2-eagle3 --trees 16x4x4 60x6x10
 
 Writes results/baseline.json (every cell, as it completes) and
 results/baseline.png, and prints a markdown table.
@@ -30,24 +34,40 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def method_specs(methods, ks):
+EAGLE2_HEADS = {"eagle2": "eagle", "eagle2-eagle3": "eagle3"}
+
+
+def method_specs(methods, ks, trees=()):
     out = []
     for m in methods:
         if m == "vanilla":
             out.append(("vanilla", 0))
+        elif m in EAGLE2_HEADS:
+            out.extend((m, t) for t in trees)
         else:
             out.extend((m, k) for k in ks)
     return out
 
 
+def speculative_config(method, k):
+    """vLLM's speculative_config for a row; k is K for chains, "NxDxK" for trees."""
+    from vllm_eagle_tree import assets
+
+    if method == "vanilla":
+        return None
+    if method in EAGLE2_HEADS:
+        n, d, top_k = (int(x) for x in str(k).split("x"))
+        return {"method": "eagle2", "model": str(assets.HEADS[EAGLE2_HEADS[method]]),
+                "num_nodes": n, "max_depth": d, "top_k": top_k}
+    return {"method": method, "model": str(assets.HEADS[method]), "num_speculative_tokens": k}
+
+
 def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens):
     from vllm import LLM, SamplingParams
 
-    from vllm_eagle_tree import assets
     from vllm_eagle_tree.metrics import spec_counters
 
-    spec = None if method == "vanilla" else {
-        "method": method, "model": str(assets.HEADS[method]), "num_speculative_tokens": k}
+    spec = speculative_config(method, k)
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
               max_model_len=1024, disable_log_stats=False, seed=0,
               max_num_seqs=max(batch_sizes))
@@ -78,7 +98,7 @@ def markdown(results, batch_sizes):
     lines = []
     for cfg, rows in results["configs"].items():
         lines.append(f"\n**{cfg}** (tokens/s, tau)\n")
-        lines.append("| method | K | " + " | ".join(f"batch {b}" for b in batch_sizes) + " |")
+        lines.append("| method | K or tree (N x depth x top-k) | " + " | ".join(f"batch {b}" for b in batch_sizes) + " |")
         lines.append("|---|---|" + "---|" * len(batch_sizes))
         for row in rows:
             cells = {c["batch_size"]: c for c in row["cells"]}
@@ -106,7 +126,7 @@ def plot(results, batch_sizes, path):
                     best[c["batch_size"]] = dict(c, k=row["k"])
         for name, cells in series.items():
             bs = sorted(cells)
-            label = name if name == "vanilla" else f"{name} (best K)"
+            label = name if name == "vanilla" else f"{name} (best {'tree' if name in EAGLE2_HEADS else 'K'})"
             axes[0][j].plot(bs, [cells[b]["tokens_per_s"] for b in bs], marker="o", label=label)
             axes[1][j].plot(bs, [cells[b]["tau"] for b in bs], marker="o", label=label)
         for i, yl in enumerate(("generated tokens/s", "tau (tokens per target forward)")):
@@ -127,7 +147,10 @@ def main():
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["bundled", "deep"], choices=["bundled", "deep"])
-    ap.add_argument("--methods", nargs="+", default=["vanilla", "eagle", "eagle3"])
+    ap.add_argument("--methods", nargs="+", default=["vanilla", "eagle", "eagle3", "eagle2", "eagle2-eagle3"],
+                    choices=["vanilla", "eagle", "eagle3", *EAGLE2_HEADS])
+    ap.add_argument("--trees", nargs="+", default=["16x4x4", "60x6x10"],
+                    help="eagle2 trees as NUM_NODESxMAX_DEPTHxTOP_K")
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -146,7 +169,7 @@ def main():
     prompts = assets.heldout_prompts()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    specs = method_specs(args.methods, args.ks)
+    specs = method_specs(args.methods, args.ks, args.trees)
     results = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens,
                "batch_sizes": args.batch_sizes, "configs": {}}
     total, done, t0 = len(args.configs) * len(specs), 0, time.time()

@@ -6,8 +6,9 @@ prints generated tokens/s and tau (mean tokens emitted per target forward:
 accepted draft tokens + 1). Run it through `bash scripts/demo.sh`, which
 sets up `.venv` first.
 
-    python scripts/demo.py                      # EAGLE-1 chain, K=3
-    python scripts/demo.py --method eagle3 --k 4
+    python scripts/demo.py                      # eagle2 tree over the EAGLE-1 head
+    python scripts/demo.py --head eagle3 --num-nodes 32 --max-depth 5 --top-k 8
+    python scripts/demo.py --method eagle --k 3 # vLLM's own EAGLE chain, K=3
     python scripts/demo.py --method none        # no speculation
 """
 import argparse
@@ -23,8 +24,14 @@ def main():
     from vllm_eagle_tree.metrics import spec_counters
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--method", default="eagle", choices=["none", "eagle", "eagle3"])
-    ap.add_argument("--k", type=int, default=3, help="draft tokens per step (chain length)")
+    ap.add_argument("--method", default="eagle2", choices=["none", "eagle", "eagle3", "eagle2"],
+                    help="eagle2: this plugin's tree; eagle/eagle3: vLLM's chain; none")
+    ap.add_argument("--head", default="eagle", choices=["eagle", "eagle3"],
+                    help="draft head for eagle2 (EAGLE-1 or EAGLE-3 format)")
+    ap.add_argument("--k", type=int, default=3, help="chain length (eagle/eagle3)")
+    ap.add_argument("--num-nodes", type=int, default=60, help="eagle2: drafted nodes per tree")
+    ap.add_argument("--max-depth", type=int, default=6, help="eagle2: deepest node")
+    ap.add_argument("--top-k", type=int, default=10, help="eagle2: children per node")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--target", default=str(assets.TARGET))
@@ -33,7 +40,10 @@ def main():
     from vllm import LLM, SamplingParams
 
     spec = None
-    if args.method != "none":
+    if args.method == "eagle2":
+        spec = {"method": "eagle2", "model": str(assets.HEADS[args.head]),
+                "num_nodes": args.num_nodes, "max_depth": args.max_depth, "top_k": args.top_k}
+    elif args.method != "none":
         spec = {"method": args.method, "model": str(assets.HEADS[args.method]),
                 "num_speculative_tokens": args.k}
     llm = LLM(model=args.target, speculative_config=spec, dtype="float32", enforce_eager=True,
@@ -50,11 +60,14 @@ def main():
     print("\n--- sample ---")
     print(prompts[0] + outs[0].outputs[0].text)
     print("--- result ---")
-    print(f"method={args.method} k={args.k if spec else 0} prompts={len(prompts)} "
+    what = (f"tree N={args.num_nodes} depth={args.max_depth} top_k={args.top_k} head={args.head}"
+            if args.method == "eagle2" else f"k={args.k if spec else 0}")
+    print(f"method={args.method} {what} prompts={len(prompts)} "
           f"generated={n_tok} tokens in {dt:.2f}s: {n_tok / dt:.1f} tokens/s")
     if spec:
         print(f"mean accepted tokens per step (tau, incl. bonus) = {c.tau:.3f}; "
-              f"draft acceptance rate = {c.acceptance_rate:.3f} over {c.drafts} steps")
+              f"draft acceptance rate = {c.acceptance_rate:.3f} over {c.drafts} steps; "
+              f"mean drafted nodes per step = {c.draft_tokens / max(c.drafts, 1):.1f}")
 
 
 if __name__ == "__main__":

@@ -233,3 +233,39 @@ def test_aborted_requests_mid_batch(tree_llm, vanilla):
     want = vanilla("abort")
     assert [done[ids[i]] for i in kept] == [want[i][0] for i in kept]
     assert not any(ids[i] in done and len(done[ids[i]]) == MAX_TOKENS for i in range(0, 16, 3))
+
+
+def _vllm_spec_metrics(llm):
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": None}
+    names = {"vllm:spec_decode_num_drafts": "drafts",
+             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for m in llm.get_metrics():
+        if m.name in names:
+            out[names[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = list(m.values)
+    return out
+
+
+def test_vllm_spec_metrics_describe_the_trees(tree_llm):
+    """vLLM's spec-decode counters stay meaningful with trees and equal the tree
+    runner's own counts: drafts = request-steps verified with a tree, draft
+    tokens = drafted nodes, accepted = accepted nodes, accepted_per_pos[d-1] =
+    request-steps that accepted a node at depth d (nothing beyond max_depth).
+    tree_llm is the engine built last in this module, so vLLM's process-global
+    collectors are its own."""
+    m0, s0 = _vllm_spec_metrics(tree_llm), tree_stats(tree_llm)
+    run(tree_llm, PROMPTS[150:182], GREEDY)
+    m1, s1 = _vllm_spec_metrics(tree_llm), tree_stats(tree_llm)
+    assert m1["drafts"] - m0["drafts"] == s1["tree_requests"] - s0["tree_requests"] > 0
+    assert m1["draft_tokens"] - m0["draft_tokens"] == s1["nodes"] - s0["nodes"]
+    acc = [a - b for a, b in zip(s1["accepted_per_depth"], s0["accepted_per_depth"])]
+    assert m1["accepted"] - m0["accepted"] == sum(acc) > 0
+    per_pos = [a - b for a, b in zip(m1["per_pos"], m0["per_pos"])]
+    depth = TREE["max_depth"]
+    assert per_pos[:depth] == acc
+    assert not any(per_pos[depth:])
+    drafted = [a - b for a, b in zip(s1["drafted_per_depth"], s0["drafted_per_depth"])]
+    assert sum(drafted) == s1["nodes"] - s0["nodes"]
+    assert all(a <= d for a, d in zip(acc, drafted))
