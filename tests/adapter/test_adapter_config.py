@@ -349,7 +349,23 @@ def test_eagle2_end_to_end_engine_config(pair, runner_available):
     assert C.Eagle2Settings.from_vllm_config(plain) is None
 
 
-def test_eagle2_refuses_to_start_without_tree_runner(pair, target_configs):
+@pytest.fixture
+def no_tree_runner_here(monkeypatch):
+    """Pretend to be a platform without a tree runner (e.g. CUDA today)."""
+    monkeypatch.setattr(C, "current_platform_name", lambda: "cuda")
+
+
+def test_cpu_platform_gets_the_tree_worker(pair, target_configs):
+    from vllm.config import ParallelConfig
+
+    mc, _ = target_configs
+    pc = ParallelConfig()
+    ea = engine_args(pair[0], speculative_config={"method": "eagle2", "model": pair[1]})
+    ea.create_speculative_config(mc, pc)
+    assert pc.worker_cls == "vllm_eagle_tree.adapter.worker.TreeCPUWorker"
+
+
+def test_eagle2_refuses_to_start_without_tree_runner(pair, target_configs, no_tree_runner_here):
     """Honesty: a valid eagle2 config never runs vLLM's chain silently."""
     from vllm.config import ParallelConfig
 
@@ -357,13 +373,13 @@ def test_eagle2_refuses_to_start_without_tree_runner(pair, target_configs):
     pc = ParallelConfig()
     ea = engine_args(pair[0], speculative_config={"method": "eagle2", "model": pair[1]})
     for _ in range(2):  # also on a second attempt with the same EngineArgs
-        with pytest.raises(C.Eagle2RunnerUnavailable, match="tree runner is not available yet"):
+        with pytest.raises(C.Eagle2RunnerUnavailable, match="runs trees on the CPU platform only"):
             ea.create_speculative_config(mc, pc)
     assert pc.worker_cls == "auto"
     assert C.ADDITIONAL_CONFIG_KEY not in (ea.additional_config or {})
 
 
-def test_llm_refuses_eagle2_without_tree_runner(pair):
+def test_llm_refuses_eagle2_without_tree_runner(pair, no_tree_runner_here):
     from vllm import LLM
 
     with pytest.raises(C.Eagle2RunnerUnavailable, match='"method": "eagle" for vLLM'):
@@ -478,7 +494,7 @@ def test_vllm_serve_cli_parser(pair, runner_available):
         AsyncEngineArgs.from_cli_args(bad).create_engine_config()
 
 
-def test_gate_message_is_actionable(pair, target_configs):
+def test_gate_message_is_actionable(pair, target_configs, no_tree_runner_here):
     from vllm.config import ParallelConfig
 
     mc, _ = target_configs

@@ -548,17 +548,20 @@ def wrap_create_speculative_config(original: Callable) -> Callable:
 TREE_WORKERS = {"cpu": "vllm_eagle_tree.adapter.worker.TreeCPUWorker"}
 
 
-def tree_runner_worker_cls(settings: Eagle2Settings, platform: str | None = None) -> str:
+def current_platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
+
+
+def tree_runner_worker_cls(settings: Eagle2Settings) -> str:
     """Qualified name of the worker class that runs eagle2 trees on this platform.
 
     The CPU platform has one (``adapter.worker.TreeCPUWorker``). Elsewhere this
     raises :class:`Eagle2RunnerUnavailable`: an eagle2 config never runs as
     vLLM's chain.
     """
-    if platform is None:
-        from vllm.platforms import current_platform
-
-        platform = "cpu" if current_platform.is_cpu() else str(current_platform.device_name)
+    platform = current_platform_name()
     if platform in TREE_WORKERS:
         return TREE_WORKERS[platform]
     t = settings.tree
