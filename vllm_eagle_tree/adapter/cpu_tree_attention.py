@@ -164,19 +164,18 @@ def padded_tree_attention(q, key_cache, value_cache, block_table, seq_lens, cu_q
     qi = torch.arange(nmax, device=device)
     real = qi.unsqueeze(0) < n.unsqueeze(1)  # [B, nmax]
     src = (cu[:-1].unsqueeze(1) + qi.unsqueeze(0)).clamp(max=total_q - 1)
-    qp = q[src].float().view(B, nmax, hkv, group, d)
+    qp = q[src].float().transpose(1, 2)  # [B, Hq, nmax, D]
     # visibility [B, nmax, lmax]
     rel = slots.unsqueeze(0) - ctx.unsqueeze(1)  # [B, lmax] tree-key index
-    wmax = int(tl.max())
-    bits = unpack_tree_mask(tree_mask[src.reshape(-1)], max(wmax, 1)).view(B, nmax, -1)
+    wmax = max(int(tl.max()), 1)
+    bits = unpack_tree_mask(tree_mask[src.reshape(-1)], wmax).view(B, nmax, -1)
     in_tree = (rel >= 0) & (slots.unsqueeze(0) < L.unsqueeze(1))
-    tree_vis = torch.gather(bits, 2, rel.clamp(0, max(wmax, 1) - 1).unsqueeze(1)
-                            .expand(B, nmax, lmax))
+    tree_vis = torch.gather(bits, 2, rel.clamp(0, wmax - 1).unsqueeze(1).expand(B, nmax, lmax))
     visible = (rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & tree_vis)
-    s = torch.einsum("bnkgd,blkd->bkgnl", qp, k) * scale
-    s = s.masked_fill(~visible.view(B, 1, 1, nmax, lmax), float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
-    o = torch.einsum("bkgnl,blkd->bnkgd", p, v).reshape(B, nmax, hq, d)
+    visible |= ~real.unsqueeze(2)  # padding rows see everything (output dropped)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible.unsqueeze(1), scale=scale,
+        enable_gqa=group > 1).transpose(1, 2)  # [B, nmax, Hq, D]
     out[src[real]] = o[real].to(out.dtype)
     return out
 
