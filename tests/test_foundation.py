@@ -78,7 +78,7 @@ def test_register_runs_in_every_vllm_process(tmp_path):
     record = tmp_path / "registered.txt"
     script = tmp_path / "run.py"
     script.write_text(REGISTRY_SCRIPT)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_EAGLE_TREE_REGISTRY_FILE=str(record),
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", EAGLE_TREE_REGISTRY_FILE=str(record),
                VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run([sys.executable, str(script), str(assets.TARGET)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)

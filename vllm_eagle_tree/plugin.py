@@ -19,7 +19,7 @@ SUPPORTED_VLLM = (0, 32)
 # environment variable below, which child processes inherit only if set
 # before they start, so they record their own registration in a file).
 _REGISTERED = False
-REGISTRY_ENV = "VLLM_EAGLE_TREE_REGISTRY_FILE"
+REGISTRY_ENV = "EAGLE_TREE_REGISTRY_FILE"  # not VLLM_*: vLLM warns about unknown VLLM_ variables
 
 
 class UnsupportedVLLMVersion(RuntimeError):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .cpu_tree_attention import cpu_tree_attention
+from .cpu_tree_attention import TreeAttentionPlan
 
 __all__ = ["TreeAttention", "TreeOnlyMetadata", "TreeCPUAttentionBackend",
            "TreeCPUAttentionImpl", "TREE_METADATA_ATTR"]
@@ -54,10 +54,16 @@ class TreeAttention:
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                output: torch.Tensor) -> None:
-        """Write the tree rows of ``output [N, Hq, D]`` from ``query [N, Hq, D]``."""
-        out = cpu_tree_attention(query[self.rows], kv_cache, self.block_table, self.seq_lens,
-                                 self.cu_q_lens, self.tree_mask, scale,
-                                 tree_lens=self.tree_lens)
+        """Write the tree rows of ``output [N, Hq, D]`` from ``query [N, Hq, D]``.
+
+        The layer-independent plan (key locations, masks) is built on the
+        first call and reused by every layer of the forward pass."""
+        plan = self.__dict__.get("_plan")
+        if plan is None:
+            plan = self._plan = TreeAttentionPlan(self.block_table, self.seq_lens,
+                                                  self.cu_q_lens, self.tree_mask,
+                                                  kv_cache.shape[2], self.tree_lens)
+        out = plan.attend(query[self.rows], kv_cache, scale)
         output[self.rows] = out.to(output.dtype)
 
 

@@ -39,7 +39,7 @@ from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
 from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
 
 __all__ = ["cpu_kv_views", "probe_cpu_kv_layout", "cpu_tree_attention", "cpu_compact_kv",
-           "padded_tree_attention",
+           "padded_tree_attention", "TreeAttentionPlan",
            "KNOWN_ISAS"]
 
 KNOWN_ISAS = ("vec", "vec16")
@@ -120,64 +120,108 @@ def cpu_tree_attention(
     = context + tree keys per request, ``tree_mask`` int32 ``[total_q, W]``
     over the trailing ``tree_lens`` keys), with the cache given as vLLM's CPU
     tensor. The tree nodes' K/V must already be in the cache (vLLM's
-    ``do_kv_cache_update`` runs before attention). All requests are computed
-    at once, padded to the longest query and key range (the reference loops
-    over requests; tests check the two agree).
+    ``do_kv_cache_update`` runs before attention). See :class:`TreeAttentionPlan`
+    to reuse the layer-independent work across layers.
     """
-    key, value = cpu_kv_views(kv_cache)
-    if seq_lens.numel() <= 2:  # measured: the per-request loop is faster for tiny batches
-        return tree_attention_ref(query, key, value, block_table, seq_lens, cu_q_lens,
-                                  tree_mask, scale, tree_lens=tree_lens, out=out)
-    return padded_tree_attention(query, key, value, block_table, seq_lens, cu_q_lens,
-                                 tree_mask, scale, tree_lens=tree_lens, out=out)
+    page = kv_cache.shape[2]
+    plan = TreeAttentionPlan(block_table, seq_lens, cu_q_lens, tree_mask, page, tree_lens)
+    return plan.attend(query, kv_cache, scale, out)
+
+
+class TreeAttentionPlan:
+    """The layer-independent part of a batched tree attention, built once per step.
+
+    Requests are padded to the longest query (``nmax``) and key range
+    (``lmax``): ``pages``/``rows`` [B, lmax] locate every key in the paged
+    cache, ``visible`` [B, 1, nmax, lmax] is context-or-ancestor, ``src``
+    [B, nmax] maps padded query rows to packed ones. :meth:`attend` then costs
+    one K/V gather and one ``scaled_dot_product_attention`` per layer.
+    Numerically the reference ``tree_attention_ref`` (tests compare them).
+    """
+
+    def __init__(self, block_table, seq_lens, cu_q_lens, tree_mask, page_size, tree_lens=None):
+        from vllm_eagle_tree.triton_kernels.tree_attention import unpack_tree_mask
+
+        device = block_table.device
+        cu = cu_q_lens.to(device=device, dtype=torch.long)
+        n = cu[1:] - cu[:-1]
+        L = seq_lens.to(device=device, dtype=torch.long)
+        tl = n if tree_lens is None else tree_lens.to(device=device, dtype=torch.long)
+        ctx = L - tl
+        B = L.numel()
+        self.empty = B == 0 or int(cu[-1]) == 0
+        if self.empty:
+            return
+        total_q = int(cu[-1])
+        nmax, lmax = int(n.max()), int(L.max())
+        slots = torch.arange(lmax, device=device)
+        blk = (slots // page_size).clamp(max=block_table.shape[1] - 1)
+        nblk = -(-lmax // page_size)
+        self.blocks = block_table.long()[:, blk[::page_size][:nblk]]  # [B, nblk]
+        self.pages = block_table.long()[:, blk]
+        self.rows = (slots % page_size).expand(B, lmax)
+        qi = torch.arange(nmax, device=device)
+        self.real = qi.unsqueeze(0) < n.unsqueeze(1)  # [B, nmax]
+        self.src = (cu[:-1].unsqueeze(1) + qi.unsqueeze(0)).clamp(max=total_q - 1)
+        self.dst = self.src[self.real]
+        rel = slots.unsqueeze(0) - ctx.unsqueeze(1)  # [B, lmax] tree-key index
+        wmax = max(int(tl.max()), 1)
+        bits = unpack_tree_mask(tree_mask.to(device)[self.src.reshape(-1)], wmax).view(B, nmax, -1)
+        in_tree = (rel >= 0) & (slots.unsqueeze(0) < L.unsqueeze(1))
+        tree_vis = torch.gather(bits, 2, rel.clamp(0, wmax - 1).unsqueeze(1).expand(B, nmax, lmax))
+        visible = (rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & tree_vis)
+        visible |= ~self.real.unsqueeze(2)  # padding rows see everything (output dropped)
+        self.visible = visible.unsqueeze(1)
+        self.shape = (B, nmax, lmax)
+
+    def attend_views(self, q, key_cache, value_cache, scale, out=None):
+        """``q [total_q, Hq, D]`` over caches ``[num_blocks, block_size, Hkv, D]``."""
+        if out is None:
+            out = torch.empty_like(q)
+        if self.empty:
+            return out
+        group = q.shape[1] // key_cache.shape[2]
+        k = key_cache[self.pages, self.rows].float().transpose(1, 2)  # [B, Hkv, lmax, D]
+        v = value_cache[self.pages, self.rows].float().transpose(1, 2)
+        qp = q[self.src].float().transpose(1, 2)  # [B, Hq, nmax, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qp, k, v, attn_mask=self.visible, scale=scale, enable_gqa=group > 1)
+        out[self.dst] = o.transpose(1, 2)[self.real].to(out.dtype)
+        return out
+
+    def attend(self, q, kv_cache, scale, out=None):
+        """``q`` over one layer's CPU_ATTN cache tensor (the ``vec`` layout of
+        :func:`cpu_kv_views`): whole blocks are copied out (one contiguous
+        ``index_select``), which is far cheaper than gathering single slots
+        through the strided views."""
+        if out is None:
+            out = torch.empty_like(q)
+        if self.empty:
+            return out
+        B, nmax, lmax = self.shape
+        nb, h, bs, two_d = kv_cache.shape
+        d = two_d // 2
+        nblk = self.blocks.shape[1]
+        blocks = kv_cache.index_select(0, self.blocks.reshape(-1)).view(B, nblk, h, 2, bs * d)
+        # per (block, head): keys transposed [D, bs], then values [bs, D]
+        k = blocks[:, :, :, 0].view(B, nblk, h, d, bs).permute(0, 2, 1, 4, 3)
+        v = blocks[:, :, :, 1].view(B, nblk, h, bs, d).permute(0, 2, 1, 3, 4)
+        k = k.reshape(B, h, nblk * bs, d)[:, :, :lmax].float().contiguous()
+        v = v.reshape(B, h, nblk * bs, d)[:, :, :lmax].float().contiguous()
+        qp = q[self.src].float().transpose(1, 2)  # [B, Hq, nmax, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qp, k, v, attn_mask=self.visible, scale=scale, enable_gqa=q.shape[1] > h)
+        out[self.dst] = o.transpose(1, 2)[self.real].to(out.dtype)
+        return out
 
 
 def padded_tree_attention(q, key_cache, value_cache, block_table, seq_lens, cu_q_lens,
                           tree_mask, scale, tree_lens=None, out=None):
     """Batched form of ``tree_attention_ref`` (same arguments, caches
-    ``[num_blocks, block_size, Hkv, D]``): one padded gather and two einsums."""
-    from vllm_eagle_tree.triton_kernels.tree_attention import unpack_tree_mask
-
-    total_q, hq, d = q.shape
-    page, hkv = key_cache.shape[1], key_cache.shape[2]
-    group = hq // hkv
-    device = q.device
-    if out is None:
-        out = torch.empty_like(q)
-    B = seq_lens.numel()
-    if B == 0 or total_q == 0:
-        return out
-    cu = cu_q_lens.to(device=device, dtype=torch.long)
-    n = cu[1:] - cu[:-1]
-    L = seq_lens.to(device=device, dtype=torch.long)
-    tl = n if tree_lens is None else tree_lens.to(device=device, dtype=torch.long)
-    ctx = L - tl
-    nmax, lmax = int(n.max()), int(L.max())
-    # keys: [B, lmax, Hkv, D]
-    slots = torch.arange(lmax, device=device)
-    blk = (slots // page).clamp(max=block_table.shape[1] - 1)
-    pages = block_table.to(device).long()[:, blk]
-    rows = (slots % page).expand(B, lmax)
-    k = key_cache[pages, rows].float()
-    v = value_cache[pages, rows].float()
-    # queries: [B, nmax, Hq, D]; qi < n[b] are real rows
-    qi = torch.arange(nmax, device=device)
-    real = qi.unsqueeze(0) < n.unsqueeze(1)  # [B, nmax]
-    src = (cu[:-1].unsqueeze(1) + qi.unsqueeze(0)).clamp(max=total_q - 1)
-    qp = q[src].float().transpose(1, 2)  # [B, Hq, nmax, D]
-    # visibility [B, nmax, lmax]
-    rel = slots.unsqueeze(0) - ctx.unsqueeze(1)  # [B, lmax] tree-key index
-    wmax = max(int(tl.max()), 1)
-    bits = unpack_tree_mask(tree_mask[src.reshape(-1)], wmax).view(B, nmax, -1)
-    in_tree = (rel >= 0) & (slots.unsqueeze(0) < L.unsqueeze(1))
-    tree_vis = torch.gather(bits, 2, rel.clamp(0, wmax - 1).unsqueeze(1).expand(B, nmax, lmax))
-    visible = (rel < 0).unsqueeze(1) | (in_tree.unsqueeze(1) & tree_vis)
-    visible |= ~real.unsqueeze(2)  # padding rows see everything (output dropped)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible.unsqueeze(1), scale=scale,
-        enable_gqa=group > 1).transpose(1, 2)  # [B, nmax, Hq, D]
-    out[src[real]] = o[real].to(out.dtype)
-    return out
+    ``[num_blocks, block_size, Hkv, D]``) through :class:`TreeAttentionPlan`."""
+    plan = TreeAttentionPlan(block_table, seq_lens, cu_q_lens, tree_mask, key_cache.shape[1],
+                             tree_lens)
+    return plan.attend_views(q, key_cache, value_cache, scale, out)
 
 
 def cpu_compact_kv(
