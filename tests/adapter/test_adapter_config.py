@@ -505,3 +505,24 @@ def test_gate_message_is_actionable(pair, target_configs, no_tree_runner_here):
     msg = str(info.value)
     assert "EAGLE-3" in msg and "adaptive" in msg and '"method": "eagle3"' in msg
     assert "never falls back to a chain" in msg
+
+
+def test_goodput_needs_adaptive_and_a_bool(pair):
+    base = {"method": "eagle2", "model": pair[1]}
+    with pytest.raises(ValueError, match=r'speculative_config\["goodput"\].*adaptive'):
+        C.parse_eagle2_config({**base, "goodput": True})
+    with pytest.raises(ValueError, match=r'speculative_config\["goodput"\].*true or false'):
+        C.parse_eagle2_config({**base, "adaptive": True, "goodput": "yes"})
+    settings, _ = C.parse_eagle2_config({**base, "adaptive": True, "goodput": True})
+    assert settings.goodput
+    assert C.Eagle2Settings.from_dict(settings.to_dict()) == settings
+
+
+def test_goodput_refused_with_tensor_parallelism(pair, target_configs):
+    from vllm.config import ParallelConfig
+
+    mc, _ = target_configs
+    ea = engine_args(pair[0], speculative_config={"method": "eagle2", "model": pair[1],
+                                                  "adaptive": True, "goodput": True})
+    with pytest.raises(ValueError, match=r'speculative_config\["goodput"\].*tensor parallel'):
+        ea.create_speculative_config(mc, ParallelConfig(tensor_parallel_size=2))

@@ -68,3 +68,40 @@ def test_eagle3_head_greedy_identical(vanilla_greedy_200):
     finally:
         free_llm(llm)
     assert_same(got, vanilla_greedy_200[:64], "EAGLE-3 head")
+
+
+def test_adaptive_trees_greedy_identical(vanilla_greedy_200):
+    """"adaptive": true (depth threshold, width mass, min path probability and a
+    batch-wide node budget): trees of varying size per request, same output."""
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5, "adaptive": True, "batch_num_nodes": 96}
+    llm = make_llm(speculative_config=spec, max_num_seqs=32)
+    try:
+        before = spec_counters(llm)
+        got = run(llm, PROMPTS[:64], GREEDY)
+        d = _speculated(llm, before)
+    finally:
+        free_llm(llm)
+    assert_same(got, vanilla_greedy_200[:64], "adaptive")
+    # adaptation must actually shrink trees below the fixed budget
+    assert d.draft_tokens < 20 * d.drafts, d
+
+
+def test_goodput_budget_greedy_identical(vanilla_greedy_200):
+    """"goodput": true: each step's node budget comes from live step timings and
+    calibrated path values (core/budget.py); output unchanged, the planner has
+    timed steps and planned budgets."""
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
+    llm = make_llm(speculative_config=spec, max_num_seqs=32)
+    try:
+        before = spec_counters(llm)
+        got = run(llm, PROMPTS[:64], GREEDY)
+        _speculated(llm, before)
+        g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+    finally:
+        free_llm(llm)
+    assert_same(got, vanilla_greedy_200[:64], "goodput")
+    assert g["steps_timed"] > 8 and g["last_plan"] is not None
+    assert g["verify_seconds_a"] >= 0 and g["verify_seconds_per_row"] >= 0
+    assert all(f > 0 for f in g["depth_factors"])

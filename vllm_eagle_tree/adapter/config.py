@@ -37,6 +37,12 @@ key                 allowed values (default)   meaning
 ``batch_num_nodes`` int >= 1 or null (null)    adaptive only: one node budget shared by
                                                the whole batch (each request still capped
                                                at ``num_nodes``); null = off
+``goodput``         true / false (false)       adaptive only: each step verify the number
+                                               of drafted nodes that maximises expected
+                                               tokens per second, from live step timings
+                                               and per-depth calibrated path values
+                                               (core/budget.py); tensor parallel size 1
+                                               only for now
 ==================  =========================  ==========================================
 
 plus these vLLM ``SpeculativeConfig`` fields, passed through unchanged:
@@ -135,7 +141,8 @@ PASSTHROUGH_KEYS: tuple[str, ...] = (
 )
 """vLLM SpeculativeConfig fields accepted with eagle2 and passed through unchanged."""
 
-_ALLOWED = ("method", "model", *TREE_DEFAULTS, "adaptive", *ADAPTIVE_DEFAULTS, *PASSTHROUGH_KEYS)
+_ALLOWED = ("method", "model", *TREE_DEFAULTS, "adaptive", *ADAPTIVE_DEFAULTS, "goodput",
+            *PASSTHROUGH_KEYS)
 
 # vLLM keys that a user might reasonably try with eagle2, and why they are refused.
 _REFUSED_WHY = {
@@ -202,6 +209,7 @@ class Eagle2Settings:
     num_speculative_tokens: int
     max_verify_nodes: int
     draft_scratch_slots: int
+    goodput: bool = False
 
     @property
     def vllm_method(self) -> str:
@@ -222,6 +230,7 @@ class Eagle2Settings:
             "num_speculative_tokens": self.num_speculative_tokens,
             "max_verify_nodes": self.max_verify_nodes,
             "draft_scratch_slots": self.draft_scratch_slots,
+            "goodput": self.goodput,
         }
 
     @classmethod
@@ -233,7 +242,8 @@ class Eagle2Settings:
                    head_architectures=tuple(d["head_architectures"]),
                    num_speculative_tokens=int(d["num_speculative_tokens"]),
                    max_verify_nodes=int(d["max_verify_nodes"]),
-                   draft_scratch_slots=int(d["draft_scratch_slots"]))
+                   draft_scratch_slots=int(d["draft_scratch_slots"]),
+                   goodput=bool(d.get("goodput", False)))
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> "Eagle2Settings | None":
@@ -428,6 +438,11 @@ def parse_eagle2_config(
                 raise _key_error(key, 'is an adaptation threshold and needs "adaptive": true '
                                       '(with "adaptive": false the tree is plain EAGLE-2)')
         knobs = {}
+    goodput = cfg.get("goodput", False)
+    if not isinstance(goodput, bool):
+        raise _key_error("goodput", f"must be true or false, got {goodput!r}")
+    if goodput and not adaptive:
+        raise _key_error("goodput", 'needs "adaptive": true (it sizes adaptive trees)')
     tree = TreeConfig(top_k=top_k, max_depth=max_depth, num_nodes=num_nodes, **knobs)
 
     if head_config is None:
@@ -441,7 +456,7 @@ def parse_eagle2_config(
     settings = Eagle2Settings(
         tree=tree, adaptive=adaptive, head_model=model, head_format=head_format,
         head_architectures=tuple(str(a) for a in archs), num_speculative_tokens=k,
-        max_verify_nodes=n_max, draft_scratch_slots=scratch)
+        max_verify_nodes=n_max, draft_scratch_slots=scratch, goodput=goodput)
     vllm_spec = {"method": head_format, "model": model, "num_speculative_tokens": k}
     vllm_spec.update({key: cfg[key] for key in PASSTHROUGH_KEYS if key in cfg})
     return settings, vllm_spec
@@ -532,6 +547,10 @@ def wrap_create_speculative_config(original: Callable) -> Callable:
         finally:
             (self.speculative_config, self.spec_method, self.spec_model,
              self.spec_tokens) = saved
+        if settings.goodput and getattr(target_parallel_config, "tensor_parallel_size", 1) > 1:
+            raise _key_error("goodput", "is not supported with tensor parallelism yet: its "
+                                        "budget comes from each rank's own step timings, and "
+                                        "TP ranks must build identical trees")
         install_tree_runner(target_parallel_config, settings)  # the gate
         self.additional_config = _with_settings(self.additional_config, settings)
         return spec_config

@@ -64,10 +64,12 @@ class FirstPassRows:
 class TreeDrafter:
     """Drafts EAGLE-2 trees with the head vLLM loaded (module docstring)."""
 
-    def __init__(self, proposer, vllm_config, tree_config: TreeConfig, block_size: int):
+    def __init__(self, proposer, vllm_config, tree_config: TreeConfig, block_size: int,
+                 planner=None):
         self.proposer = proposer  # vLLM's EagleProposer; its .model is the head
         self.vllm_config = vllm_config
         self.tree = tree_config
+        self.planner = planner  # core.budget.GoodputPlanner or None
         self.block_size = block_size
         self.is_eagle3 = proposer.method == "eagle3"
         self.layer_names: list[str] = sorted(proposer._draft_attn_layer_names)
@@ -143,6 +145,8 @@ class TreeDrafter:
         last_h, next_h = self._run(tokens, positions, feats, slots, attn)
 
         grow = [i for i, q in enumerate(reqs) if q.grow_tree]
+        if grow and self.planner is not None and self.planner.skip_drafting():
+            grow = []
         out: list[tuple[list[int], list[int]] | None] = [None] * len(reqs)
         if not grow:
             return out
@@ -179,6 +183,8 @@ class TreeDrafter:
         assert k >= 1
         tree = expand_tree(self.tree, root_tokens, root_logprobs, step_fn,
                            context_len=commit.to(torch.int32))
+        if self.planner is not None:
+            tree = self.planner.prune(tree, other_rows=len(reqs) - len(grow))
         cu_n = tree.cu_nodes.tolist()
         parents = tree.parent.tolist()
         toks = tree.token.tolist()

@@ -28,6 +28,7 @@ decodes in the same batch, with a one-time warning.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ..core import TreeBatch, verify
+from ..core.budget import GoodputPlanner
 from .attention import TREE_METADATA_ATTR, TreeAttention
 from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
@@ -122,8 +124,11 @@ class TreeRunnerMixin:
                 raise NotImplementedError(
                     f"eagle2: KV cache block size {kv.shape[2]} differs from the block "
                     f"table's {self._tree_block_size}")
+        self.tree_planner = None
+        if self.eagle2.goodput:
+            self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
-                                        self._tree_block_size)
+                                        self._tree_block_size, planner=self.tree_planner)
 
     def _warn_once(self, what: str) -> None:
         if what not in self._warned:
@@ -164,6 +169,16 @@ class TreeRunnerMixin:
             self.positions[rows] = (step.tree.context_len.long().repeat_interleave(
                 step.tree.sizes.long()) + step.tree.depth.long()).to(self.positions.dtype)
         self._tree_step = step
+        self._timed_rows = int(scheduler_output.total_num_scheduled_tokens)
+        return out
+
+    def _model_forward(self, *args, **kwargs):
+        rows, self._timed_rows = getattr(self, "_timed_rows", None), None
+        if self.tree_planner is None or rows is None:  # profiling / dummy runs: not timed
+            return super()._model_forward(*args, **kwargs)
+        t = time.perf_counter()
+        out = super()._model_forward(*args, **kwargs)
+        self.tree_planner.observe_verify(rows, time.perf_counter() - t)
         return out
 
     # --------------------------------------------------- 2. attention mask
@@ -265,6 +280,8 @@ class TreeRunnerMixin:
             cpu_compact_kv(self._unique_kv_caches(), bt, tree.context_len, res.num_accepted,
                            res.accepted_nodes)
         self._record_tree_stats(tree, res)
+        if self.tree_planner is not None:
+            self.tree_planner.observe_acceptance(tree, res.num_accepted)
         return out
 
     def _unique_kv_caches(self) -> list[torch.Tensor]:
@@ -336,7 +353,10 @@ class TreeRunnerMixin:
                                       context_len=ctx, slots=flat_slots[q0:q0 + m].clone(),
                                       grow_tree=grow))
         bt = self.input_batch.block_table[0].get_cpu_tensor()
+        t = time.perf_counter()
         trees = self.tree_drafter.draft(reqs, hidden_states, aux_hidden_states, bt)
+        if self.tree_planner is not None and any(q.grow_tree for q in reqs):
+            self.tree_planner.observe_draft(time.perf_counter() - t)
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
         for q, t in zip(reqs, trees):
             req_id = self.input_batch.req_ids[q.batch_index]

@@ -35,4 +35,15 @@ class TreeCPUWorker(CPUWorker):
         nodes per depth. Cumulative since start-up."""
         import copy
 
-        return copy.deepcopy(self.model_runner.tree_stats)
+        runner = self.model_runner
+        stats = copy.deepcopy(runner.tree_stats)
+        planner = getattr(runner, "tree_planner", None)
+        if planner is not None:
+            plan = planner.last_plan
+            stats["goodput"] = {
+                "verify_seconds_a": planner.verify_cost.a, "verify_seconds_per_row": planner.verify_cost.b,
+                "draft_seconds": planner.draft_seconds, "steps_timed": planner.steps_timed,
+                "depth_factors": list(planner.calibration.factors),
+                "last_plan": None if plan is None else vars(plan).copy(),
+            }
+        return stats

@@ -1,0 +1,141 @@
+"""Goodput planning (core/budget.py): cost fits, calibration, budget choice, pruning."""
+import math
+
+import pytest
+import torch
+
+from vllm_eagle_tree.core import TreeBatch
+from vllm_eagle_tree.core.budget import (DepthCalibration, LinearCost, plan_budget,
+                                         prune_to_top)
+
+
+def test_linear_cost_recovers_a_line_and_forgets_old_samples():
+    c = LinearCost(window=8)
+    for x in range(20):
+        c.observe(x, 5.0 + 0.5 * x if x < 12 else 1.0 + 2.0 * x)
+    # the last 8 samples (x = 12..19) follow the second line only
+    assert c.a == pytest.approx(1.0) and c.b == pytest.approx(2.0)
+    assert c(10) == pytest.approx(21.0)
+
+
+def test_linear_cost_never_decreasing():
+    c = LinearCost()
+    for x, y in [(1, 3.0), (2, 2.0), (3, 1.0)]:
+        c.observe(x, y)
+    assert c.b == 0.0 and c.a == pytest.approx(2.0)
+
+
+def brute_force(probs, B, a, b, draft):
+    best = None
+    p = sorted(probs, reverse=True)
+    for n in range(len(p) + 1):
+        t = a + b * (B + n) + (draft if n else 0.0)
+        rate = (B + sum(p[:n])) / t
+        if best is None or rate > best[1] + 1e-12:
+            best = (n, rate)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_budget_is_the_brute_force_optimum(seed):
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(40, generator=g) ** 3
+    B = int(torch.randint(1, 9, (1,), generator=g))
+    a, b, draft = 0.01 + float(torch.rand(1, generator=g)) * 0.05, float(torch.rand(1, generator=g)) * 0.004, 0.004
+    plan = plan_budget(probs, B, LinearCost(a=a, b=b), draft)
+    n, rate = brute_force(probs.tolist(), B, a, b, draft)
+    assert plan.num_nodes == n
+    assert plan.tokens_per_second == pytest.approx(rate, rel=1e-5)
+
+
+def test_plan_budget_extremes():
+    probs = torch.full((30,), 0.5)
+    # rows are free: verify everything
+    assert plan_budget(probs, 4, LinearCost(a=1.0, b=0.0)).num_nodes == 30
+    # rows are expensive relative to their acceptance: no speculation
+    assert plan_budget(probs, 4, LinearCost(a=0.0, b=1.0), draft_seconds=0.5).num_nodes == 0
+    assert plan_budget(probs, 4, LinearCost(a=1.0, b=0.0), max_nodes=7).num_nodes == 7
+
+
+def test_depth_calibration_converges_to_observed_acceptance():
+    cal = DepthCalibration(max_depth=3, decay=0.5)
+    logp = torch.log(torch.tensor([0.8, 0.5, 0.4]))
+    depth = torch.tensor([1, 2, 3])
+    for _ in range(40):  # target accepts half as often as the draft believes at depth 2
+        p = cal.calibrate(logp, depth)
+        cal.observe(p.tolist(), [0.8, 0.25, 0.4])
+    assert cal.factors == pytest.approx([1.0, 0.5, 1.0], abs=1e-3)
+    assert cal.calibrate(logp, depth).tolist() == pytest.approx([0.8, 0.25, 0.4], abs=1e-3)
+
+
+def test_prune_to_top_keeps_the_best_nodes_and_their_ancestors():
+    # request 0: root -> a(-0.1) -> b(-0.5); root -> c(-0.2) -> d(-0.3)
+    # request 1: root -> e(-0.05) -> f(-0.05) (tie with parent) -> g(-2.0)
+    tree = TreeBatch.from_parents(
+        [[-1, 0, 1, 0, 3], [-1, 0, 1, 2]],
+        [[9, 1, 2, 3, 4], [8, 5, 6, 7]],
+        context_len=[10, 20],
+        values=[[0, -0.1, -0.5, -0.2, -0.3], [0, -0.05, -0.05, -2.0]])
+    got = prune_to_top(tree, 4)  # best four: e, f, a, c
+    assert got.cu_nodes.tolist() == [0, 3, 6]
+    assert got.parent.tolist() == [-1, 0, 0, -1, 0, 1]
+    assert got.token.tolist() == [9, 1, 3, 8, 5, 6]
+    assert got.context_len.tolist() == [10, 20]
+    assert prune_to_top(tree, 0).sizes.tolist() == [1, 1]
+    assert prune_to_top(tree, 100).total == tree.total
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prune_to_top_is_ancestor_closed_on_expander_trees(seed):
+    from vllm_eagle_tree.core import TreeConfig, expand_tree
+
+    g = torch.Generator().manual_seed(seed)
+    B, V = 3, 12
+    table = torch.log_softmax(torch.randn(V, V, generator=g) * 2, -1)
+
+    def step(frontier):
+        return table[frontier.tokens]
+
+    tree = expand_tree(TreeConfig(top_k=3, max_depth=4, num_nodes=12),
+                       torch.randint(0, V, (B,), generator=g),
+                       table[torch.randint(0, V, (B,), generator=g)], step)
+    for keep in range(0, tree.total - B + 1, 3):
+        pruned = prune_to_top(tree, keep)
+        assert pruned.total - B == keep
+        pruned.validate()
+        kept_vals = sorted(pruned.value[pruned.parent >= 0].tolist(), reverse=True)
+        all_vals = sorted(tree.value[tree.parent >= 0].tolist(), reverse=True)
+        assert kept_vals == pytest.approx(all_vals[:keep])
+        assert not math.isnan(sum(kept_vals)) if kept_vals else True
+
+
+def test_goodput_planner_prunes_once_rows_are_expensive():
+    from vllm_eagle_tree.core.budget import GoodputPlanner
+
+    tree = TreeBatch.from_parents([[-1, 0, 1, 0], [-1, 0]], [[1, 2, 3, 4], [5, 6]],
+                                  values=[[0, -0.1, -3.0, -2.0], [0, -0.2]])
+    pl = GoodputPlanner(max_depth=3, warmup=4)
+    assert pl.prune(tree) is tree  # not timed yet: trees as drafted
+    for rows in (4, 8, 12, 16):  # 10 ms + 10 ms per row
+        pl.observe_verify(rows, 0.01 + 0.01 * rows)
+    pl.observe_draft(0.0)
+    got = pl.prune(tree)
+    # rows cost as much as a whole step: only nodes with p > (1 + 2) / 3 ... keep the likely ones
+    assert pl.last_plan.num_nodes == got.total - got.num_requests == 2  # (2 + .905 + .819) / 0.05 is best
+    kept = sorted(got.value[got.parent >= 0].tolist(), reverse=True)
+    assert kept == pytest.approx([-0.1, -0.2][:len(kept)])
+    # acceptance observed at depth 1 lower than predicted: the factor falls
+    pl.observe_acceptance(tree, torch.tensor([0, 0]))
+    assert pl.calibration.factors[0] < 1.0
+
+
+def test_goodput_planner_skips_drafting_while_the_plan_is_zero_and_probes():
+    from vllm_eagle_tree.core.budget import BudgetPlan, GoodputPlanner
+
+    pl = GoodputPlanner(max_depth=2)
+    assert not pl.skip_drafting()
+    pl.last_plan = BudgetPlan(num_nodes=0, tokens=1, seconds=1, tokens_per_second=1)
+    pattern = [pl.skip_drafting() for _ in range(16)]
+    assert pattern == ([True] * 7 + [False]) * 2
+    pl.last_plan = BudgetPlan(num_nodes=3, tokens=1, seconds=1, tokens_per_second=1)
+    assert not pl.skip_drafting()
