@@ -56,9 +56,15 @@ def speculative_config(method, k):
     if method == "vanilla":
         return None
     if method in EAGLE2_HEADS:
-        n, d, top_k = (int(x) for x in str(k).split("x"))
-        return {"method": "eagle2", "model": str(assets.HEADS[EAGLE2_HEADS[method]]),
+        label = str(k)
+        goodput = label.endswith("g")
+        n, d, top_k = (int(x) for x in label.rstrip("g").split("x"))
+        spec = {"method": "eagle2", "model": str(assets.HEADS[EAGLE2_HEADS[method]]),
                 "num_nodes": n, "max_depth": d, "top_k": top_k}
+        if goodput:  # "NxDxKg": adaptive tree sized each step by the goodput planner
+            spec.update(adaptive=True, goodput=True, depth_threshold=0.0, width_mass=1.0,
+                        min_path_prob=0.0)
+        return spec
     return {"method": method, "model": str(assets.HEADS[method]), "num_speculative_tokens": k}
 
 
@@ -150,7 +156,8 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["vanilla", "eagle", "eagle3", "eagle2", "eagle2-eagle3"],
                     choices=["vanilla", "eagle", "eagle3", *EAGLE2_HEADS])
     ap.add_argument("--trees", nargs="+", default=["16x4x4", "60x6x10"],
-                    help="eagle2 trees as NUM_NODESxMAX_DEPTHxTOP_K")
+                    help="eagle2 trees as NUM_NODESxMAX_DEPTHxTOP_K; a trailing g "
+                         "(e.g. 60x6x10g) sizes the tree each step with the goodput planner")
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
