@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 
 from vllm_eagle_tree import assets
 from vllm_helpers import free_llm, make_llm
@@ -78,6 +79,8 @@ FALLBACK_KINDS = [
     dict(presence_penalty=0.5, frequency_penalty=0.5),
     dict(min_tokens=10),
     dict(bad_words=["def"]),
+    dict(prompt_logprobs=1),  # not a fallback: computed at prefill, tree requests keep it
+    dict(structured_outputs=StructuredOutputsParams(choice=["True", "False", "None"])),
 ]
 FALLBACK_PROMPTS = PROMPTS[60:84]
 FALLBACK_PARAMS = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
@@ -186,9 +189,10 @@ def test_stops_inside_accepted_paths(tree_llm, vanilla):
 
 # ------------------------------------------------------------ fallbacks
 def test_unsupported_sampling_falls_back_per_request(tree_llm, vanilla):
-    """Requests with penalties, logprobs, min_tokens, bad words run without
-    drafts in the same batch as tree requests; everyone's output equals
-    vanilla vLLM's (logprobs included)."""
+    """Requests with penalties, logprobs, min_tokens, bad words or structured
+    output run without drafts in the same batch as tree requests; prompt
+    logprobs work on tree requests; everyone's output equals vanilla vLLM's
+    (logprobs and prompt logprobs included)."""
     before = spec_counters(tree_llm)
     outs = tree_llm.generate(FALLBACK_PROMPTS, FALLBACK_PARAMS, use_tqdm=False)
     for i, (o, w) in enumerate(zip(outs, vanilla("fallback"))):
@@ -199,6 +203,14 @@ def test_unsupported_sampling_falls_back_per_request(tree_llm, vanilla):
                 assert a.keys() == b.keys()
                 for t in a:
                     assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+        if FALLBACK_PARAMS[i].prompt_logprobs:
+            assert len(o.prompt_logprobs) == len(w.prompt_logprobs) > 1
+            for a, b in zip(o.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+                assert a.keys() == b.keys()
+                for t in a:
+                    assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+        if FALLBACK_PARAMS[i].structured_outputs is not None:
+            assert o.outputs[0].text.startswith(("True", "False", "None"))  # grammar applied
     _speculated(tree_llm, before)
 
 
