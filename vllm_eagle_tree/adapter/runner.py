@@ -10,13 +10,14 @@ One step of a tree request, in the order vLLM runs it:
    block-table rows are attached to the CPU attention metadata, which the
    tree attention backend (``adapter.attention``) reads.
 3. The target runs once over every node of every tree.
-4. ``_sample``: vLLM samples the rows without drafts (prefills, plain
-   decodes, fallback requests: penalties, logprobs etc. stay vLLM's); tree
-   requests are verified with ``core.verify`` (lossless for greedy,
-   temperature, top-k, top-p and per-request seeds) and their rows of the
-   sampled-token tensor replaced by ``[accepted..., bonus, -1...]``. The
-   accepted path's KV is then compacted to ``ctx+1..ctx+acc`` in every layer
-   before anything else reads the cache.
+4. ``_sample``: rows without drafts (prefills, plain decodes, fallback
+   requests: penalties, logprobs etc. stay vLLM's) go through vLLM's
+   ``Sampler`` as without speculation (vLLM's chain-shaped RejectionSampler
+   never runs); tree requests are verified with ``core.verify`` (lossless for
+   greedy, temperature, top-k, top-p and per-request seeds) and their rows of
+   the sampled-token tensor are ``[accepted..., bonus, -1...]``. The accepted
+   path's KV is then compacted to ``ctx+1..ctx+acc`` in every layer before
+   anything else reads the cache.
 5. ``propose_draft_token_ids``: :class:`proposer.TreeDrafter` drafts the next
    trees; the scheduler gets nodes 1..n-1 as the draft list and rolls back
    ``num_computed_tokens`` by the rejected count as for a chain.
@@ -106,6 +107,7 @@ class TreeRunnerMixin:
         self._tree_step = _TreeStep()
         self._warned: set[str] = set()
         self.tree_drafter: TreeDrafter | None = None
+        self.tree_planner: GoodputPlanner | None = None  # set once the KV cache exists
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
                            "accepted_per_depth": [0] * self.eagle2.tree.max_depth,
                            "drafted_per_depth": [0] * self.eagle2.tree.max_depth}
@@ -117,6 +119,10 @@ class TreeRunnerMixin:
                 f'"method": "eagle2" needs one KV cache group for the target and the head, '
                 f"got {len(groups)}")
         spec = groups[0].kv_cache_spec
+        if self.cache_config.cache_dtype != "auto":
+            raise NotImplementedError(
+                f'"method": "eagle2" needs the KV cache in the model dtype (kv_cache_dtype '
+                f'"auto"), got {self.cache_config.cache_dtype!r}')
         self._tree_block_size = self.input_batch.block_table[0].block_size
         probe_cpu_kv_layout(self.model_config.dtype, self._tree_block_size, spec.head_size)
         for kv in self.kv_caches:
