@@ -105,3 +105,16 @@ def test_goodput_budget_greedy_identical(vanilla_greedy_200):
     assert g["steps_timed"] > 8 and g["last_plan"] is not None
     assert g["verify_seconds_a"] >= 0 and g["verify_seconds_per_row"] >= 0
     assert all(f > 0 for f in g["depth_factors"])
+
+
+def test_goodput_probes_verify_cost_at_start_up():
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
+    llm = make_llm(speculative_config=spec, max_num_seqs=8)
+    try:
+        g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+    finally:
+        free_llm(llm)
+    # 4 sizes x 2 timed runs before any request; a forward pass costs time
+    assert g["steps_timed"] == 8
+    assert g["verify_seconds_a"] + 64 * g["verify_seconds_per_row"] > 0

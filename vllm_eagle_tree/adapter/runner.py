@@ -136,6 +136,19 @@ class TreeRunnerMixin:
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
                                         self._tree_block_size, planner=self.tree_planner)
 
+    def probe_verify_cost(self, sizes=(1, 16, 64, 256), repeats: int = 2) -> None:
+        """Seed the goodput planner's verify-cost model at start-up: time vLLM's
+        dummy forward pass (attention included) at a few query sizes."""
+        sizes = [n for n in sizes if n <= self.scheduler_config.max_num_batched_tokens]
+        for n in sizes:
+            self._dummy_run(n, force_attention=True)  # warm
+            for _ in range(repeats):
+                t = time.perf_counter()
+                self._dummy_run(n, force_attention=True)
+                self.tree_planner.observe_verify(n, time.perf_counter() - t)
+        logger.info("eagle2 goodput: verify cost %.2f ms + %.3f ms per query row (start-up probe)",
+                    1e3 * self.tree_planner.verify_cost.a, 1e3 * self.tree_planner.verify_cost.b)
+
     def _warn_once(self, what: str) -> None:
         if what not in self._warned:
             self._warned.add(what)

@@ -29,6 +29,14 @@ class TreeCPUWorker(CPUWorker):
         super().init_device()
         self.model_runner = TreeCPUModelRunner(self.vllm_config, torch.device("cpu"))
 
+    def compile_or_warm_up_model(self):
+        # With "goodput": time a few dummy forward passes (attention included)
+        # so that the planner starts with a measured verify-cost model, then
+        # let vLLM reset the random seed as usual.
+        if getattr(self.model_runner, "tree_planner", None) is not None:
+            self.model_runner.probe_verify_cost()
+        return super().compile_or_warm_up_model()
+
     def eagle2_stats(self) -> dict:
         """The runner's tree counters (``LLM.collective_rpc("eagle2_stats")``):
         verify steps, tree requests, drafted nodes, drafted and accepted
