@@ -139,3 +139,24 @@ def test_goodput_planner_skips_drafting_while_the_plan_is_zero_and_probes():
     assert pattern == ([True] * 7 + [False]) * 2
     pl.last_plan = BudgetPlan(num_nodes=3, tokens=1, seconds=1, tokens_per_second=1)
     assert not pl.skip_drafting()
+
+
+def test_per_request_calibration_moves_budget_to_requests_that_get_accepted():
+    from vllm_eagle_tree.core.budget import GoodputPlanner
+
+    # two identical chains of 3 nodes; the target accepts all of request "code"
+    # and nothing of request "prose"
+    tree = TreeBatch.from_parents([[-1, 0, 1, 2], [-1, 0, 1, 2]], [[1, 2, 3, 4], [1, 2, 3, 4]],
+                                  values=[[0, -0.5, -1.0, -1.5]] * 2)
+    pl = GoodputPlanner(max_depth=3, warmup=0, decay=0.5)
+    for _ in range(10):
+        pl.observe_acceptance(tree, torch.tensor([3, 0]), req_ids=["code", "prose"])
+    assert pl.request_factor["code"] > 1.5 and pl.request_factor["prose"] < 0.1
+    pl.verify_cost = LinearCost(a=0.01, b=0.004)
+    got = pl.prune(tree, req_ids=["code", "prose"])
+    assert got.sizes.tolist()[0] > got.sizes.tolist()[1]
+    pl.forget(["code"])
+    assert list(pl.request_factor) == ["code"]
+    # offsets keep pruning ancestor-closed
+    for keep in range(7):
+        prune_to_top(tree, keep, request_offset=torch.tensor([0.0, 0.4])).validate()

@@ -108,6 +108,7 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, reqs: list[FirstPassRows], target_hidden: torch.Tensor,
               aux_hidden: list[torch.Tensor] | None, block_table: torch.Tensor,
+              req_ids: list[str] | None = None,
               ) -> list[tuple[list[int], list[int]] | None]:
         """Run the first pass for ``reqs`` and grow trees where ``grow_tree``.
 
@@ -184,7 +185,8 @@ class TreeDrafter:
         tree = expand_tree(self.tree, root_tokens, root_logprobs, step_fn,
                            context_len=commit.to(torch.int32))
         if self.planner is not None:
-            tree = self.planner.prune(tree, other_rows=len(reqs) - len(grow))
+            tree = self.planner.prune(tree, other_rows=len(reqs) - len(grow),
+                                      req_ids=None if req_ids is None else [req_ids[i] for i in grow])
         cu_n = tree.cu_nodes.tolist()
         parents = tree.parent.tolist()
         toks = tree.token.tolist()

@@ -166,6 +166,8 @@ class TreeRunnerMixin:
         for req_id in list(self._trees):
             if req_id not in live:
                 del self._trees[req_id]
+        if self.tree_planner is not None:
+            self.tree_planner.forget(live)
         if spec:
             for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
                 drafts = spec.get(req_id)
@@ -300,7 +302,7 @@ class TreeRunnerMixin:
                            res.accepted_nodes)
         self._record_tree_stats(tree, res)
         if self.tree_planner is not None:
-            self.tree_planner.observe_acceptance(tree, res.num_accepted)
+            self.tree_planner.observe_acceptance(tree, res.num_accepted, req_ids=step.req_ids)
         return out
 
     def _unique_kv_caches(self) -> list[torch.Tensor]:
@@ -373,7 +375,9 @@ class TreeRunnerMixin:
                                       grow_tree=grow))
         bt = self.input_batch.block_table[0].get_cpu_tensor()
         t = time.perf_counter()
-        trees = self.tree_drafter.draft(reqs, hidden_states, aux_hidden_states, bt)
+        trees = self.tree_drafter.draft(
+            reqs, hidden_states, aux_hidden_states, bt,
+            req_ids=[self.input_batch.req_ids[q.batch_index] for q in reqs])
         if self.tree_planner is not None and any(q.grow_tree for q in reqs):
             self.tree_planner.observe_draft(time.perf_counter() - t)
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]

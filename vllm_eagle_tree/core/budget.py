@@ -125,17 +125,23 @@ def plan_budget(accept_prob: torch.Tensor, num_requests: int, verify_cost: Linea
                       tokens_per_second=float(rate[best]))
 
 
-def prune_to_top(tree: TreeBatch, keep: int) -> TreeBatch:
+def prune_to_top(tree: TreeBatch, keep: int,
+                 request_offset: torch.Tensor | None = None) -> TreeBatch:
     """The batch's ``keep`` best drafted nodes by path value, roots always kept.
 
-    Ancestor-closed: order is (value descending, global index ascending) and
-    a child's value is at most its parent's, which comes first in the packed
-    order, so a kept node's parent is always kept.
+    ``request_offset`` (float [B], optional) is added to every value of a
+    request (e.g. the log of its calibration factor), moving budget between
+    requests. Ancestor-closed: order is (score descending, global index
+    ascending) and a child's score is at most its parent's (same offset),
+    which comes first in the packed order, so a kept node's parent is kept.
     """
     is_root = tree.parent < 0
     total = tree.total
     keep = max(0, min(keep, total - tree.num_requests))
-    score = torch.where(is_root, torch.full_like(tree.value, math.inf), tree.value)
+    value = tree.value
+    if request_offset is not None:
+        value = value + request_offset.float()[tree.request_index.long()]
+    score = torch.where(is_root, torch.full_like(value, math.inf), value)
     order = sorted(range(total), key=lambda i: (-float(score[i]), i))
     kept = torch.zeros(total, dtype=torch.bool)
     kept[order[: tree.num_requests + keep]] = True
@@ -177,6 +183,19 @@ class GoodputPlanner:
         self.last_plan: BudgetPlan | None = None
         self.probe_every = 8
         self._skipped = 0
+        self.request_factor: dict[str, float] = {}  # per-request EMA accepted / predicted
+        self.decay = decay
+
+    def _request_factors(self, req_ids, B: int) -> torch.Tensor:
+        if req_ids is None:
+            return torch.ones(B)
+        return torch.tensor([self.request_factor.get(r, 1.0) for r in req_ids])
+
+    def forget(self, live_req_ids) -> None:
+        """Drop the factors of requests that are gone."""
+        live = set(live_req_ids)
+        for r in [r for r in self.request_factor if r not in live]:
+            del self.request_factor[r]
 
     def skip_drafting(self) -> bool:
         """True while the last plan was "no speculation": the engine then skips
@@ -199,7 +218,11 @@ class GoodputPlanner:
         self.draft_seconds = seconds if self.draft_seconds == 0.0 else \
             0.9 * self.draft_seconds + 0.1 * seconds
 
-    def observe_acceptance(self, tree: TreeBatch, num_accepted: torch.Tensor) -> None:
+    def observe_acceptance(self, tree: TreeBatch, num_accepted: torch.Tensor,
+                           req_ids=None) -> None:
+        """Update the per-depth factors and, with ``req_ids``, each request's own
+        factor (so requests whose drafts the target keeps accepting, such as
+        code, earn larger trees than requests it keeps rejecting)."""
         D = self.calibration.max_depth
         drafted = tree.parent >= 0
         p = self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
@@ -207,17 +230,28 @@ class GoodputPlanner:
         predicted = torch.zeros(D).index_add_(0, d, p.float()).tolist()
         acc = num_accepted.reshape(-1).long()
         accepted = [int((acc >= k).sum()) for k in range(1, D + 1)]
+        if req_ids is not None:
+            per_req = torch.zeros(tree.num_requests).index_add_(
+                0, tree.request_index[drafted].long(), p.float())
+            for b, r in enumerate(req_ids):
+                if float(per_req[b]) > 1e-6:
+                    ratio = min(max(int(acc[b]) / float(per_req[b]), 0.05), 20.0)
+                    old = self.request_factor.get(r, 1.0)
+                    self.request_factor[r] = self.decay * old + (1 - self.decay) * ratio
         self.calibration.observe(predicted, accepted)
 
-    def prune(self, tree: TreeBatch, other_rows: int = 0) -> TreeBatch:
+    def prune(self, tree: TreeBatch, other_rows: int = 0, req_ids=None) -> TreeBatch:
         """``tree`` cut to the best budget; ``other_rows``: query rows of the
-        step that are not trees (prefill chunks, plain decodes)."""
+        step that are not trees (prefill chunks, plain decodes); ``req_ids``:
+        the trees' request ids, for per-request calibration."""
         if self.steps_timed < self.warmup:
             return tree
         drafted = tree.parent >= 0
-        p = self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
+        rf = self._request_factors(req_ids, tree.num_requests)
+        p = (self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
+             * rf[tree.request_index[drafted].long()]).clamp(0, 1)
         cost = LinearCost(a=self.verify_cost(other_rows), b=self.verify_cost.b)
         self.last_plan = plan_budget(p, tree.num_requests, cost, self.draft_seconds)
         if self.last_plan.num_nodes >= int(drafted.sum()):
             return tree
-        return prune_to_top(tree, self.last_plan.num_nodes)
+        return prune_to_top(tree, self.last_plan.num_nodes, request_offset=rf.log())
