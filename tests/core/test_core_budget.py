@@ -160,3 +160,18 @@ def test_per_request_calibration_moves_budget_to_requests_that_get_accepted():
     # offsets keep pruning ancestor-closed
     for keep in range(7):
         prune_to_top(tree, keep, request_offset=torch.tensor([0.0, 0.4])).validate()
+
+
+def test_goodput_planner_learns_the_extra_cost_of_tree_steps():
+    from vllm_eagle_tree.core.budget import GoodputPlanner
+
+    tree = TreeBatch.from_parents([[-1, 0, 1]], [[1, 2, 3]], values=[[0, -0.1, -0.2]])
+    pl = GoodputPlanner(max_depth=2, warmup=0)
+    for rows in (1, 2, 4, 8):  # plain steps: 10 ms + 1 ms per row
+        pl.observe_verify(rows, 0.010 + 0.001 * rows)
+    assert pl.prune(tree).total == 3  # trees look cheap: keep both nodes
+    for _ in range(50):  # tree steps of 3 rows take 40 ms more than plain ones
+        pl.observe_verify(3, 0.013 + 0.040, tree_rows=3)
+    assert pl.tree_overhead == pytest.approx(0.040, rel=1e-3)
+    # (1 + .905 + .819) / (0.013 + 0.040) < 1 / 0.011: plain decoding wins
+    assert pl.prune(tree).total == 1 and pl.last_plan.num_nodes == 0

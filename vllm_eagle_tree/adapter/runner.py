@@ -197,9 +197,14 @@ class TreeRunnerMixin:
         rows, self._timed_rows = getattr(self, "_timed_rows", None), None
         if self.tree_planner is None or rows is None:  # profiling / dummy runs: not timed
             return super()._model_forward(*args, **kwargs)
+        step = self._tree_step
+        tree_rows = 0
+        if step and step.tree is not None:
+            sizes = step.tree.sizes
+            tree_rows = int(sizes[sizes > 1].sum())
         t = time.perf_counter()
         out = super()._model_forward(*args, **kwargs)
-        self.tree_planner.observe_verify(rows, time.perf_counter() - t)
+        self.tree_planner.observe_verify(rows, time.perf_counter() - t, tree_rows=tree_rows)
         return out
 
     # --------------------------------------------------- 2. attention mask

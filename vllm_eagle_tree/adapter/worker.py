@@ -51,6 +51,7 @@ class TreeCPUWorker(CPUWorker):
             stats["goodput"] = {
                 "verify_seconds_a": planner.verify_cost.a, "verify_seconds_per_row": planner.verify_cost.b,
                 "draft_seconds": planner.draft_seconds, "steps_timed": planner.steps_timed,
+                "tree_step_overhead_seconds": planner.tree_overhead,
                 "depth_factors": list(planner.calibration.factors),
                 "last_plan": None if plan is None else vars(plan).copy(),
             }

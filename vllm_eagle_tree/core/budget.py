@@ -175,7 +175,8 @@ class GoodputPlanner:
     """
 
     def __init__(self, max_depth: int, warmup: int = 8, window: int = 64, decay: float = 0.9):
-        self.verify_cost = LinearCost(window=window)
+        self.verify_cost = LinearCost(window=window)  # steps without trees: seconds vs rows
+        self.tree_overhead = 0.0  # EMA: extra seconds of a verify step that holds trees
         self.calibration = DepthCalibration(max_depth=max_depth, decay=decay)
         self.draft_seconds = 0.0
         self.warmup = warmup
@@ -210,8 +211,16 @@ class GoodputPlanner:
             return False
         return True
 
-    def observe_verify(self, query_rows: int, seconds: float) -> None:
-        self.verify_cost.observe(query_rows, seconds)
+    def observe_verify(self, query_rows: int, seconds: float, tree_rows: int = 0) -> None:
+        """A verify forward's wall time. Steps without trees (prefills, plain
+        decodes, the start-up probe) fit the per-row cost; steps with trees
+        update the extra cost a tree step carries on top (tree attention)."""
+        if tree_rows == 0:
+            self.verify_cost.observe(query_rows, seconds)
+        else:
+            extra = max(seconds - self.verify_cost(query_rows), 0.0)
+            self.tree_overhead = extra if self.tree_overhead == 0.0 else \
+                0.9 * self.tree_overhead + 0.1 * extra
         self.steps_timed += 1
 
     def observe_draft(self, seconds: float) -> None:
@@ -251,7 +260,8 @@ class GoodputPlanner:
         p = (self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
              * rf[tree.request_index[drafted].long()]).clamp(0, 1)
         cost = LinearCost(a=self.verify_cost(other_rows), b=self.verify_cost.b)
-        self.last_plan = plan_budget(p, tree.num_requests, cost, self.draft_seconds)
+        self.last_plan = plan_budget(p, tree.num_requests, cost,
+                                     self.draft_seconds + self.tree_overhead)
         if self.last_plan.num_nodes >= int(drafted.sum()):
             return tree
         return prune_to_top(tree, self.last_plan.num_nodes, request_offset=rf.log())
