@@ -36,7 +36,6 @@ from typing import Sequence
 import torch
 
 from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
-from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
 
 __all__ = ["cpu_kv_views", "probe_cpu_kv_layout", "cpu_tree_attention", "cpu_compact_kv",
            "padded_tree_attention", "TreeAttentionPlan",
@@ -176,28 +175,19 @@ class TreeAttentionPlan:
 
     def attend_views(self, q, key_cache, value_cache, scale, out=None):
         """``q [total_q, Hq, D]`` over caches ``[num_blocks, block_size, Hkv, D]``."""
-        if out is None:
-            out = torch.empty_like(q)
         if self.empty:
-            return out
-        group = q.shape[1] // key_cache.shape[2]
-        k = key_cache[self.pages, self.rows].float().transpose(1, 2)  # [B, Hkv, lmax, D]
-        v = value_cache[self.pages, self.rows].float().transpose(1, 2)
-        qp = q[self.src].float().transpose(1, 2)  # [B, Hq, nmax, D]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qp, k, v, attn_mask=self.visible, scale=scale, enable_gqa=group > 1)
-        out[self.dst] = o.transpose(1, 2)[self.real].to(out.dtype)
-        return out
+            return torch.empty_like(q) if out is None else out
+        k = key_cache[self.pages, self.rows].transpose(1, 2)  # [B, Hkv, lmax, D]
+        v = value_cache[self.pages, self.rows].transpose(1, 2)
+        return self._attend_keys(q, k, v, scale, out)
 
     def attend(self, q, kv_cache, scale, out=None):
         """``q`` over one layer's CPU_ATTN cache tensor (the ``vec`` layout of
         :func:`cpu_kv_views`): whole blocks are copied out (one contiguous
         ``index_select``), which is far cheaper than gathering single slots
         through the strided views."""
-        if out is None:
-            out = torch.empty_like(q)
         if self.empty:
-            return out
+            return torch.empty_like(q) if out is None else out
         B, nmax, lmax = self.shape
         nb, h, bs, two_d = kv_cache.shape
         d = two_d // 2
@@ -206,11 +196,20 @@ class TreeAttentionPlan:
         # per (block, head): keys transposed [D, bs], then values [bs, D]
         k = blocks[:, :, :, 0].view(B, nblk, h, d, bs).permute(0, 2, 1, 4, 3)
         v = blocks[:, :, :, 1].view(B, nblk, h, bs, d).permute(0, 2, 1, 3, 4)
-        k = k.reshape(B, h, nblk * bs, d)[:, :, :lmax].float().contiguous()
-        v = v.reshape(B, h, nblk * bs, d)[:, :, :lmax].float().contiguous()
+        k = k.reshape(B, h, nblk * bs, d)[:, :, :lmax]
+        v = v.reshape(B, h, nblk * bs, d)[:, :, :lmax]
+        return self._attend_keys(q, k, v, scale, out)
+
+    def _attend_keys(self, q, k, v, scale, out):
+        """SDPA of the padded queries over gathered keys/values ``[B, Hkv, lmax, D]``;
+        writes the real rows of ``out`` (allocated if None)."""
+        if out is None:
+            out = torch.empty_like(q)
+        # contiguous fp32 keys: SDPA is several times slower on strided ones (measured)
+        k, v = k.float().contiguous(), v.float().contiguous()
         qp = q[self.src].float().transpose(1, 2)  # [B, Hq, nmax, D]
         o = torch.nn.functional.scaled_dot_product_attention(
-            qp, k, v, attn_mask=self.visible, scale=scale, enable_gqa=q.shape[1] > h)
+            qp, k, v, attn_mask=self.visible, scale=scale, enable_gqa=q.shape[1] > k.shape[1])
         out[self.dst] = o.transpose(1, 2)[self.real].to(out.dtype)
         return out
 

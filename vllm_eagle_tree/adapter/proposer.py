@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from vllm.forward_context import set_forward_context
 
-from ..core import TreeBatch, TreeConfig, expand_tree
+from ..core import TreeConfig, expand_tree
 from ..core.tree import pack_bits
 from .attention import TreeAttention, TreeOnlyMetadata
 
@@ -212,6 +212,3 @@ def tree_from_cache(cached: tuple[list[int], list[int]] | None, drafts: list[int
         return [-1], [root_token]  # placeholders: no tree, just the root
     return [-1] + list(range(n - 1)), [root_token] + list(drafts)
 
-
-def tree_batch(trees: list[tuple[list[int], list[int]]], context_lens: list[int]) -> TreeBatch:
-    return TreeBatch.from_parents([p for p, _ in trees], [t for _, t in trees], context_lens)

@@ -226,16 +226,14 @@ class TreeRunnerMixin:
 
     def _build_attention_metadata(self, *args, **kwargs):
         result = super()._build_attention_metadata(*args, **kwargs)
-        step = self._tree_step
-        if step:
-            per_layer = result[0]
-            dicts = per_layer if isinstance(per_layer, list) else [per_layer]
-            tree = None
-            for d in dicts:
-                for md in d.values():
-                    if tree is None:
-                        tree = self._tree_attention(md.block_table)
-                    setattr(md, TREE_METADATA_ATTR, tree)
+        per_layer = result[0]
+        mds = [md for d in (per_layer if isinstance(per_layer, list) else [per_layer])
+               for md in d.values()]
+        # One KV cache group (checked at start-up): every layer shares the block
+        # table, so one TreeAttention (and its per-step plan) serves all layers.
+        tree = self._tree_attention(mds[0].block_table) if self._tree_step and mds else None
+        for md in mds:
+            setattr(md, TREE_METADATA_ATTR, tree)
         return result
 
     # ------------------------------------------ 4. verification, compaction
