@@ -330,3 +330,64 @@ def test_padded_tree_attention_equals_reference(seed):
     ref = tree_attention_ref(q, kc, vc, bt, L, cu, mask, 0.3, tree_lens=tl)
     got = padded_tree_attention(q, kc, vc, bt, L, cu, mask, 0.3, tree_lens=tl)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_fused_cpu_op_equals_reference(seed, dtype):
+    """The fused C++ op (cpu_tree_attention.cpp) on vLLM's CPU_ATTN cache
+    layout equals the per-request reference and the PyTorch plan: random
+    trees, GQA, contexts across block boundaries and empty contexts, tree_lens
+    wider than the queries (draft steps), tree rows scattered among other rows
+    of the query/output tensors, which it must leave untouched."""
+    from vllm_eagle_tree.adapter.attention import TreeAttention
+    from vllm_eagle_tree.core.tree import pack_bits
+    from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
+
+    op = cta.load_cpu_tree_op()
+    assert op is not None, "the fused CPU tree attention did not build (see the warning)"
+    g = torch.Generator().manual_seed(seed)
+    B, page, hkv, group, d, nb = 5, [16, 32][seed % 2], 2, 2, 64, 40
+    kv = torch.randn(nb, hkv, page, 2 * d, generator=g).to(dtype)
+    kc, vc = cta.cpu_kv_views(kv)
+    n = torch.randint(1, 12, (B,), generator=g)
+    tl = n + torch.randint(0, 6, (B,), generator=g) * (seed % 2)
+    ctx = torch.randint(0, 90, (B,), generator=g)
+    ctx[0] = 0
+    L = ctx + tl
+    bt = torch.stack([torch.randperm(nb, generator=g)[:8] for _ in range(B)]).int()
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(n, 0)
+    masks = []
+    for b in range(B):
+        m = torch.rand(int(n[b]), int(tl[b]), generator=g) < 0.5
+        m[torch.arange(int(n[b])), int(tl[b]) - int(n[b]) + torch.arange(int(n[b]))] = True
+        masks.append(pack_bits(torch.nn.functional.pad(m, (0, int(tl.max()) - int(tl[b])))))
+    mask = torch.cat(masks)
+    Q = int(cu[-1])
+    N = Q + 7
+    rows = torch.randperm(N, generator=g)[:Q].sort().values
+    q = torch.randn(N, hkv * group, d, generator=g).to(dtype)
+    ref = tree_attention_ref(q[rows].float(), kc.float(), vc.float(), bt, L, cu, mask, 0.3,
+                             tree_lens=tl)
+    attn = TreeAttention(rows=rows, cu_q_lens=cu, seq_lens=L.int(), tree_lens=tl.int(),
+                         tree_mask=mask, block_table=bt)
+    out = torch.full((N, hkv * group, d), 7.0, dtype=dtype)
+    attn.attend(q, kv, 0.3, out)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[rows].float(), ref, **tol)
+    others = torch.ones(N, dtype=torch.bool)
+    others[rows] = False
+    assert torch.all(out[others] == 7.0)
+    plan = cta.TreeAttentionPlan(bt, L, cu, mask, page, tl).attend(q[rows], kv, 0.3)
+    torch.testing.assert_close(out[rows].float(), plan.float(), **tol)
+
+
+def test_fused_cpu_op_can_be_switched_off(monkeypatch):
+    """EAGLE_TREE_CPU_KERNEL=0 selects the PyTorch plan (same results)."""
+    cta.load_cpu_tree_op.cache_clear()
+    monkeypatch.setenv(cta.CPU_KERNEL_ENV, "0")
+    try:
+        assert cta.load_cpu_tree_op() is None
+    finally:
+        cta.load_cpu_tree_op.cache_clear()

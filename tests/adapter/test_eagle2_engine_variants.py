@@ -118,3 +118,78 @@ def test_goodput_probes_verify_cost_at_start_up():
     # 4 sizes x 2 timed runs before any request; a forward pass costs time
     assert g["steps_timed"] == 8
     assert g["verify_seconds_a"] + 64 * g["verify_seconds_per_row"] > 0
+
+
+
+def _set_skip_pattern(worker, period):
+    """Test hook: the planner skips drafting on all but every ``period``-th
+    step and never prunes, and every first-pass row the head runs is
+    recorded as (request id, draft position, input token)."""
+    runner = worker.model_runner
+    planner = runner.tree_planner
+    planner.warmup = 10 ** 9
+    count = [0]
+
+    def skip():
+        count[0] += 1
+        return count[0] % period != 0
+
+    planner.skip_drafting = skip
+    drafter = runner.tree_drafter
+    log = runner._test_first_pass_log = []
+    if not hasattr(drafter, "_test_draft"):
+        drafter._test_draft = drafter.draft
+
+    def draft(reqs, *args, req_ids=None, **kwargs):
+        for q, rid in zip(reqs, req_ids):
+            toks = (q.pending.next_tokens if q.pending else []) + q.next_tokens
+            log.extend((rid, q.context_len + j, t) for j, t in enumerate(toks))
+        return drafter._test_draft(reqs, *args, req_ids=req_ids, **kwargs)
+
+    drafter.draft = draft
+    return True
+
+
+def _first_pass_log(worker):
+    return list(worker.model_runner._test_first_pass_log)
+
+
+def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
+    """While the planner chooses no speculation, plain decodes hold back the
+    head's first pass (runner ``PendingRows``) and run it, caught up, on the
+    next drafting step. Checked exactly: the head's input at draft position
+    p is the sequence's token p+1, for every position up to the last one it
+    ran (no hole left by a skipped step), and the output is unchanged."""
+    from transformers import AutoTokenizer
+
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
+    tok = AutoTokenizer.from_pretrained(str(assets.TARGET))
+    llm = make_llm(speculative_config=spec, max_num_seqs=8)
+    try:
+        assert llm.collective_rpc(_set_skip_pattern, args=(4,)) == [True]
+        before = spec_counters(llm)
+        outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
+        d = _speculated(llm, before)
+        log = llm.collective_rpc(_first_pass_log)[0]
+    finally:
+        free_llm(llm)
+    got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
+           for o in outs]
+    assert_same(got, vanilla_greedy_200[:16], "skipped first passes")
+    assert d.drafts < d.draft_tokens
+    by_req: dict[str, dict[int, int]] = {}
+    for rid, pos, t in log:
+        by_req.setdefault(rid, {})[pos] = t  # a later pass over a position wins
+    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+    assert len(by_req) == len(seqs)
+    held_back = 0
+    for rid, cover in by_req.items():
+        (seq,) = [v for k, v in seqs.items() if rid == k or rid.startswith(k + "-")]
+        # (a tree step's accepted path can run past max_tokens: ignore that tail)
+        last = min(max(cover), len(seq) - 2)
+        assert all(p in cover for p in range(last + 1)), f"{rid}: hole in the head's positions"
+        bad = [p for p in range(last + 1) if cover[p] != seq[p + 1]]
+        assert not bad, (rid, bad[:5])
+        held_back += len(seq) - 2 - last
+    assert held_back > 0  # some requests ended with first passes still held back

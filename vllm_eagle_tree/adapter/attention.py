@@ -2,8 +2,10 @@
 
 vLLM's CPU attention kernel takes no mask, so a tree cannot go through it.
 :class:`TreeCPUAttentionImpl` keeps vLLM's kernel for every row and then
-recomputes the rows of tree requests with the PyTorch tree attention over
-the same paged cache (``adapter.cpu_tree_attention``), overwriting them:
+recomputes the rows of tree requests over the same paged cache with the
+fused C++ op of ``adapter/cpu_tree_attention.cpp`` (or, where it cannot be
+built, the PyTorch ``TreeAttentionPlan`` of ``adapter.cpu_tree_attention``),
+overwriting them:
 
 * target verify pass: the runner attaches a :class:`TreeAttention` to the
   step's ``CPUAttentionMetadata`` (attribute ``eagle2_tree``); vLLM's kernel
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .cpu_tree_attention import TreeAttentionPlan
+from .cpu_tree_attention import TreeAttentionPlan, load_cpu_tree_op
 
 __all__ = ["TreeAttention", "TreeOnlyMetadata", "TreeCPUAttentionBackend",
            "TreeCPUAttentionImpl", "TREE_METADATA_ATTR"]
@@ -56,8 +58,19 @@ class TreeAttention:
                output: torch.Tensor) -> None:
         """Write the tree rows of ``output [N, Hq, D]`` from ``query [N, Hq, D]``.
 
-        The layer-independent plan (key locations, masks) is built on the
-        first call and reused by every layer of the forward pass."""
+        With the fused C++ op (``load_cpu_tree_op``) the rows are computed in
+        place; otherwise the PyTorch plan (key locations, masks) is built on
+        the first call and reused by every layer of the forward pass. Both
+        read only ``kv_cache``, so they agree (tests compare them)."""
+        op = load_cpu_tree_op()
+        if op is not None and kv_cache.dtype == query.dtype == output.dtype \
+                and query.stride(-1) == 1 and output.stride(-1) == 1:
+            args = self.__dict__.get("_op_args")
+            if args is None:
+                args = self._op_args = self._fused_args()
+            if args[0].numel():
+                op(output, query, args[0], kv_cache, *args[1:], float(scale))
+            return
         plan = self.__dict__.get("_plan")
         if plan is None:
             plan = self._plan = TreeAttentionPlan(self.block_table, self.seq_lens,
@@ -65,6 +78,16 @@ class TreeAttention:
                                                   kv_cache.shape[2], self.tree_lens)
         out = plan.attend(query[self.rows], kv_cache, scale)
         output[self.rows] = out.to(output.dtype)
+
+    def _fused_args(self):
+        """Per-step (layer-independent) index tensors of the fused op."""
+        cu = self.cu_q_lens.long()
+        n = cu[1:] - cu[:-1]
+        row_req = torch.arange(n.numel()).repeat_interleave(n)
+        tl = self.tree_lens.long()
+        return (self.rows.long().contiguous(), self.block_table.to(torch.int32).contiguous(),
+                row_req.contiguous(), (self.seq_lens.long() - tl).contiguous(), tl.contiguous(),
+                self.tree_mask.to(torch.int32).contiguous())
 
 
 @dataclass

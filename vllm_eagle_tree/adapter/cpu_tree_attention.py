@@ -31,6 +31,9 @@ iff j is an ancestor-or-self of i (bit-packed ``tree_mask``).
 from __future__ import annotations
 
 import functools
+import logging
+import os
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -38,11 +41,56 @@ import torch
 from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
 
 __all__ = ["cpu_kv_views", "probe_cpu_kv_layout", "cpu_tree_attention", "cpu_compact_kv",
-           "padded_tree_attention", "TreeAttentionPlan",
-           "KNOWN_ISAS"]
+           "padded_tree_attention", "TreeAttentionPlan", "load_cpu_tree_op", "fused_tree_attention",
+           "KNOWN_ISAS", "CPU_KERNEL_ENV"]
+
+CPU_KERNEL_ENV = "EAGLE_TREE_CPU_KERNEL"
+"""Set to ``0`` to skip the fused C++ op and use the PyTorch plan (slower)."""
 
 KNOWN_ISAS = ("vec", "vec16")
 """CPU_ATTN ISAs whose cache layout :func:`cpu_kv_views` decodes (measured)."""
+
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def load_cpu_tree_op():
+    """The fused C++ tree attention ``torch.ops.eagle_tree.tree_attention``
+    (``cpu_tree_attention.cpp``), built on first use with
+    ``torch.utils.cpp_extension`` (about a minute; cached under
+    ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), or None
+    when :data:`CPU_KERNEL_ENV` is ``0`` or the build fails (a warning says
+    why; the PyTorch :class:`TreeAttentionPlan` is then used, same results,
+    several times slower)."""
+    if os.environ.get(CPU_KERNEL_ENV, "1") == "0":
+        return None
+    if hasattr(torch.ops, "eagle_tree") and hasattr(torch.ops.eagle_tree, "tree_attention"):
+        return torch.ops.eagle_tree.tree_attention
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="eagle_tree_cpu_tree_attention",
+             sources=[str(Path(__file__).with_suffix(".cpp"))],
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, ...
+        logger.warning("eagle2: could not build the fused CPU tree attention (%s: %s); using the "
+                       "PyTorch plan, which gives the same results more slowly. Set %s=0 to "
+                       "skip the build.", type(e).__name__, str(e).splitlines()[0][:300]
+                       if str(e) else "", CPU_KERNEL_ENV)
+        return None
+    return torch.ops.eagle_tree.tree_attention
+
+
+def fused_tree_attention(op, query, kv_cache, rows, block_table, row_req, ctx_lens, tree_lens,
+                         tree_mask, scale, out):
+    """Tree rows ``rows`` of ``out [N, Hq, D]`` from ``query [N, Hq, D]`` with the
+    fused op (arguments as the .cpp file says; indices int64, block table and
+    mask int32, all contiguous)."""
+    op(out, query, rows, kv_cache, block_table, row_req, ctx_lens, tree_lens, tree_mask,
+       float(scale))
+    return out
 
 
 def cpu_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from ..core import TreeConfig, expand_tree
 from ..core.tree import pack_bits
 from .attention import TreeAttention, TreeOnlyMetadata
 
-__all__ = ["FirstPassRows", "TreeDrafter", "chain_mask"]
+__all__ = ["FirstPassRows", "PendingRows", "TreeDrafter", "chain_mask"]
 
 
 def chain_mask(n: int) -> torch.Tensor:
@@ -51,6 +51,10 @@ class FirstPassRows:
         context_len: ``ctx``: draft positions/slots are ``ctx + 0..m``.
         slots:       int64 [m+1] physical slots of those positions.
         grow_tree:   whether to expand a tree after the first pass.
+        pending:     rows of earlier steps whose first pass was skipped (the
+                     planner chose no speculation), run first: their target
+                     features [g, F], next tokens and slots (``context_len``
+                     then counts from the first of them).
     """
 
     batch_index: int
@@ -59,6 +63,28 @@ class FirstPassRows:
     context_len: int
     slots: torch.Tensor
     grow_tree: bool
+    pending: "PendingRows | None" = None
+
+
+@dataclass
+class PendingRows:
+    """A request's first-pass rows held back while the planner skips drafting:
+    target features (``TreeDrafter.features``) [g, F] of positions
+    ``start..start+g-1``, the tokens that follow them and their slots."""
+
+    start: int
+    features: torch.Tensor
+    next_tokens: list[int]
+    slots: torch.Tensor
+
+    def extend(self, features: torch.Tensor, next_tokens: list[int], slots: torch.Tensor):
+        self.features = torch.cat([self.features, features])
+        self.next_tokens = self.next_tokens + next_tokens
+        self.slots = torch.cat([self.slots, slots])
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.next_tokens)
 
 
 class TreeDrafter:
@@ -104,6 +130,15 @@ class TreeDrafter:
         blocks = torch.gather(block_rows.long(), 1, positions // bs)
         return (blocks * bs + positions % bs).reshape(-1)
 
+    def features(self, target_hidden: torch.Tensor, aux_hidden: list[torch.Tensor] | None,
+                 rows: torch.Tensor) -> torch.Tensor:
+        """The target features of ``rows`` that feed the head (EAGLE-3: the
+        auxiliary layers' states side by side, before ``combine_hidden_states``)."""
+        if self.is_eagle3:
+            assert aux_hidden is not None
+            return torch.cat([h[rows] for h in aux_hidden], -1)
+        return target_hidden[rows]
+
     # ------------------------------------------------------------------ draft
     @torch.inference_mode()
     def draft(self, reqs: list[FirstPassRows], target_hidden: torch.Tensor,
@@ -119,17 +154,25 @@ class TreeDrafter:
             return []
         device = target_hidden.device
         src = torch.tensor([r for q in reqs for r in q.src_rows], dtype=torch.long, device=device)
-        if self.is_eagle3:
-            assert aux_hidden is not None
-            feats = self.model.combine_hidden_states(torch.cat([h[src] for h in aux_hidden], -1))
-        else:
-            feats = target_hidden[src]
-        sizes = [len(q.src_rows) for q in reqs]
-        tokens = torch.tensor([t for q in reqs for t in q.next_tokens], dtype=torch.long,
-                              device=device)
+        raw = self.features(target_hidden, aux_hidden, src)
+        if any(q.pending is not None for q in reqs):
+            parts, at = [], 0
+            for q in reqs:
+                if q.pending is not None:
+                    parts.append(q.pending.features)
+                parts.append(raw[at:at + len(q.src_rows)])
+                at += len(q.src_rows)
+            raw = torch.cat(parts)
+        feats = self.model.combine_hidden_states(raw) if self.is_eagle3 else raw
+        sizes = [len(q.src_rows) + (len(q.pending.next_tokens) if q.pending else 0)
+                 for q in reqs]
+        tokens = torch.tensor([t for q in reqs
+                               for t in (q.pending.next_tokens if q.pending else []) + q.next_tokens],
+                              dtype=torch.long, device=device)
         positions = torch.cat([q.context_len + torch.arange(n, device=device)
                                for q, n in zip(reqs, sizes)])
-        slots = torch.cat([q.slots for q in reqs]).to(device)
+        slots = torch.cat([s for q in reqs
+                           for s in ([q.pending.slots] if q.pending else []) + [q.slots]]).to(device)
         rows_bt = block_table[[q.batch_index for q in reqs]]
         cu = torch.zeros(len(reqs) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(sizes), 0)
@@ -146,8 +189,6 @@ class TreeDrafter:
         last_h, next_h = self._run(tokens, positions, feats, slots, attn)
 
         grow = [i for i, q in enumerate(reqs) if q.grow_tree]
-        if grow and self.planner is not None and self.planner.skip_drafting():
-            grow = []
         out: list[tuple[list[int], list[int]] | None] = [None] * len(reqs)
         if not grow:
             return out

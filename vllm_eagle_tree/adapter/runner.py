@@ -41,7 +41,7 @@ from ..core.budget import GoodputPlanner
 from .attention import TREE_METADATA_ATTR, TreeAttention
 from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
-from .proposer import FirstPassRows, TreeDrafter, tree_from_cache
+from .proposer import FirstPassRows, PendingRows, TreeDrafter, tree_from_cache
 
 logger = logging.getLogger("vllm_eagle_tree")
 
@@ -77,6 +77,14 @@ def tree_fallback_reason(req_state) -> str | None:
     return None
 
 
+def _masked_trees(step) -> list[int]:
+    """The step's trees that need tree attention rows. A lone root is a plain
+    decode, and a chain's ancestor mask is the causal one vLLM's kernel
+    already applies: neither does."""
+    return [b for b, (parents, _) in enumerate(step.trees)
+            if any(p != i - 1 for i, p in enumerate(parents))]
+
+
 class _TreeStep:
     """The tree requests of the step being executed."""
 
@@ -104,6 +112,7 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise NotImplementedError('"method": "eagle2" does not support M-RoPE models yet')
         self._trees: dict[str, tuple[list[int], list[int]]] = {}
+        self._pending: dict[str, PendingRows] = {}  # first passes held back (planner)
         self._tree_step = _TreeStep()
         self._warned: set[str] = set()
         self.tree_drafter: TreeDrafter | None = None
@@ -163,9 +172,9 @@ class TreeRunnerMixin:
         num_reqs = self.input_batch.num_reqs
         qsl = self.query_start_loc.np
         live = set(self.input_batch.req_ids[:num_reqs])
-        for req_id in list(self._trees):
-            if req_id not in live:
-                del self._trees[req_id]
+        for cache in (self._trees, self._pending):
+            for req_id in [r for r in cache if r not in live]:
+                del cache[req_id]
         if self.tree_planner is not None:
             self.tree_planner.forget(live)
         if spec:
@@ -198,10 +207,7 @@ class TreeRunnerMixin:
         if self.tree_planner is None or rows is None:  # profiling / dummy runs: not timed
             return super()._model_forward(*args, **kwargs)
         step = self._tree_step
-        tree_rows = 0
-        if step and step.tree is not None:
-            sizes = step.tree.sizes
-            tree_rows = int(sizes[sizes > 1].sum())
+        tree_rows = sum(len(step.trees[b][0]) for b in _masked_trees(step)) if step else 0
         t = time.perf_counter()
         out = super()._model_forward(*args, **kwargs)
         self.tree_planner.observe_verify(rows, time.perf_counter() - t, tree_rows=tree_rows)
@@ -213,7 +219,7 @@ class TreeRunnerMixin:
         if not step or step.tree is None:
             return None
         sizes = step.tree.sizes
-        keep = (sizes > 1).nonzero().flatten().tolist()  # a lone root is a plain decode
+        keep = _masked_trees(step)
         if not keep:
             return None
         sub = TreeBatch.cat([step.tree.request(b) for b in keep])
@@ -346,6 +352,11 @@ class TreeRunnerMixin:
         flat_slots = self.input_batch.block_table[0].slot_mapping.cpu
         max_len = self.max_model_len
         scratch = self.eagle2.draft_scratch_slots
+        planner = self.tree_planner
+        # While the planner's plan is "no speculation", plain decodes hold back
+        # their first pass too (PendingRows); it runs, caught up, on the next
+        # step that drafts (the planner re-plans every few steps).
+        skip = planner is not None and planner.skip_drafting()
         reqs: list[FirstPassRows] = []
         for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
             st = self.requests[req_id]
@@ -372,17 +383,30 @@ class TreeRunnerMixin:
                 nxt = [int(self.input_ids.cpu[r]) for r in src[1:]] + [int(nxt_tok)]
             m = len(src)
             commit = ctx + m
-            grow = (not discard[i]) and commit + scratch < max_len
+            grow = (not discard[i]) and commit + scratch < max_len and not skip
+            slots = flat_slots[q0:q0 + m].clone()
+            pending = self._pending.pop(req_id, None)
+            if pending is not None and pending.end != ctx:
+                pending = None  # not contiguous with this step (cannot happen; be safe)
+            if skip and m == 1 and not discard[i] and i not in step.accepted:
+                feats = self.tree_drafter.features(hidden_states, aux_hidden_states,
+                                                   torch.tensor(src))
+                if pending is None:
+                    pending = PendingRows(ctx, feats.clone(), nxt, slots)
+                else:
+                    pending.extend(feats.clone(), nxt, slots)
+                self._pending[req_id] = pending
+                continue
             reqs.append(FirstPassRows(batch_index=i, src_rows=src, next_tokens=nxt,
-                                      context_len=ctx, slots=flat_slots[q0:q0 + m].clone(),
-                                      grow_tree=grow))
+                                      context_len=ctx if pending is None else pending.start,
+                                      slots=slots, grow_tree=grow, pending=pending))
         bt = self.input_batch.block_table[0].get_cpu_tensor()
         t = time.perf_counter()
         trees = self.tree_drafter.draft(
             reqs, hidden_states, aux_hidden_states, bt,
             req_ids=[self.input_batch.req_ids[q.batch_index] for q in reqs])
-        if self.tree_planner is not None and any(q.grow_tree for q in reqs):
-            self.tree_planner.observe_draft(time.perf_counter() - t)
+        if planner is not None and any(q.grow_tree for q in reqs):
+            planner.observe_draft(time.perf_counter() - t)
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
         for q, t in zip(reqs, trees):
             req_id = self.input_batch.req_ids[q.batch_index]
