@@ -104,7 +104,8 @@ def test_goodput_budget_greedy_identical(vanilla_greedy_200):
     assert_same(got, vanilla_greedy_200[:64], "goodput")
     assert g["steps_timed"] > 8 and g["last_plan"] is not None
     assert g["verify_seconds_a"] >= 0 and g["verify_seconds_per_row"] >= 0
-    assert all(f > 0 for f in g["depth_factors"])
+    seen = [r for row in g["acceptance_by_depth_and_value"] for r in row if r is not None]
+    assert seen and all(0.0 <= r <= 1.0 for r in seen)
 
 
 def test_goodput_probes_verify_cost_at_start_up():
@@ -122,19 +123,18 @@ def test_goodput_probes_verify_cost_at_start_up():
 
 
 def _set_skip_pattern(worker, period):
-    """Test hook: the planner skips drafting on all but every ``period``-th
-    step and never prunes, and every first-pass row the head runs is
-    recorded as (request id, draft position, input token)."""
+    """Test hook: the shape bandit picks "plain" (no drafts) on all but every
+    ``period``-th step and the planner never prunes, and every first-pass
+    row the head runs is recorded as (request id, draft position, token)."""
     runner = worker.model_runner
-    planner = runner.tree_planner
-    planner.warmup = 10 ** 9
+    runner.tree_planner.warmup = 10 ** 9
     count = [0]
 
-    def skip():
+    def choose(batch_size):
         count[0] += 1
-        return count[0] % period != 0
+        return "tree" if count[0] % period == 0 else "plain"
 
-    planner.skip_drafting = skip
+    runner.tree_bandit.choose = choose
     drafter = runner.tree_drafter
     log = runner._test_first_pass_log = []
     if not hasattr(drafter, "_test_draft"):

@@ -125,8 +125,10 @@ def test_goodput_planner_prunes_once_rows_are_expensive():
     kept = sorted(got.value[got.parent >= 0].tolist(), reverse=True)
     assert kept == pytest.approx([-0.1, -0.2][:len(kept)])
     # acceptance observed at depth 1 lower than predicted: the factor falls
-    pl.observe_acceptance(tree, torch.tensor([0, 0]))
-    assert pl.calibration.factors[0] < 1.0
+    d1 = torch.tensor([1])
+    before = float(pl.calibration.calibrate(torch.tensor([-0.1]), d1))
+    pl.observe_acceptance(tree, torch.tensor([0, 0]), torch.full((2, 2), -1))
+    assert float(pl.calibration.calibrate(torch.tensor([-0.1]), d1)) < before
 
 
 def test_goodput_planner_skips_drafting_while_the_plan_is_zero_and_probes():
@@ -150,7 +152,8 @@ def test_per_request_calibration_moves_budget_to_requests_that_get_accepted():
                                   values=[[0, -0.5, -1.0, -1.5]] * 2)
     pl = GoodputPlanner(max_depth=3, warmup=0, decay=0.5)
     for _ in range(10):
-        pl.observe_acceptance(tree, torch.tensor([3, 0]), req_ids=["code", "prose"])
+        pl.observe_acceptance(tree, torch.tensor([3, 0]), torch.tensor([[1, 2, 3], [-1, -1, -1]]),
+                              req_ids=["code", "prose"])
     assert pl.request_factor["code"] > 1.5 and pl.request_factor["prose"] < 0.1
     pl.verify_cost = LinearCost(a=0.01, b=0.004)
     got = pl.prune(tree, req_ids=["code", "prose"])
@@ -165,13 +168,125 @@ def test_per_request_calibration_moves_budget_to_requests_that_get_accepted():
 def test_goodput_planner_learns_the_extra_cost_of_tree_steps():
     from vllm_eagle_tree.core.budget import GoodputPlanner
 
-    tree = TreeBatch.from_parents([[-1, 0, 1]], [[1, 2, 3]], values=[[0, -0.1, -0.2]])
+    # a root with two children: keeping both needs the tree mask, one is a chain
+    tree = TreeBatch.from_parents([[-1, 0, 0]], [[1, 2, 3]], values=[[0, -0.1, -0.2]])
     pl = GoodputPlanner(max_depth=2, warmup=0)
     for rows in (1, 2, 4, 8):  # plain steps: 10 ms + 1 ms per row
         pl.observe_verify(rows, 0.010 + 0.001 * rows)
-    assert pl.prune(tree).total == 3  # trees look cheap: keep both nodes
+    # (1 + .905 + .819) / 0.013 > (1 + .905) / 0.012: the tree of both nodes wins
+    assert pl.prune(tree).total == 3 and not pl.last_plan.chain
     for _ in range(50):  # tree steps of 3 rows take 40 ms more than plain ones
         pl.observe_verify(3, 0.013 + 0.040, tree_rows=3)
     assert pl.tree_overhead == pytest.approx(0.040, rel=1e-3)
-    # (1 + .905 + .819) / (0.013 + 0.040) < 1 / 0.011: plain decoding wins
+    # (1 + .905 + .819) / 0.053 < (1 + .905) / 0.012 > 1 / 0.011: the chain wins
+    got = pl.prune(tree)
+    assert pl.last_plan.chain and pl.last_plan.num_nodes == 1
+    assert got.parent.tolist() == [-1, 0] and got.token.tolist() == [1, 2]
+    # a chain step is a plain forward with more rows: with 10 ms + 200 ms per
+    # row, (1 + .905) / 0.41 < 1 / 0.21 and plain decoding wins
+    pl.verify_cost = LinearCost(a=0.010, b=0.200)
     assert pl.prune(tree).total == 1 and pl.last_plan.num_nodes == 0
+
+
+def brute_best_chain(parents, values):
+    on, node = [0], 0
+    while True:
+        kids = [i for i, p in enumerate(parents) if p == node]
+        if not kids:
+            return on
+        node = max(kids, key=lambda i: (values[i], -i))
+        on.append(node)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_chains_is_each_requests_greedy_path(seed):
+    from vllm_eagle_tree.core import TreeConfig, expand_tree
+    from vllm_eagle_tree.core.budget import best_chains
+
+    g = torch.Generator().manual_seed(seed)
+    B, V = 4, 10
+    table = torch.log_softmax(torch.randn(V, V, generator=g) * 2, -1)
+    tree = expand_tree(TreeConfig(top_k=3, max_depth=4, num_nodes=10),
+                       torch.randint(0, V, (B,), generator=g),
+                       table[torch.randint(0, V, (B,), generator=g)],
+                       lambda f: table[f.tokens])
+    if seed % 2:  # ties between siblings go to the first one
+        tree = TreeBatch.from_parents([[-1, 0, 0, 1, 2]], [[1, 2, 3, 4, 5]],
+                                      values=[[0, -1.0, -1.0, -2.0, -1.5]])
+    got = best_chains(tree)
+    cu = tree.cu_nodes.tolist()
+    for b in range(tree.num_requests):
+        par = tree.parent[cu[b]:cu[b + 1]].tolist()
+        val = tree.value[cu[b]:cu[b + 1]].tolist()
+        want = brute_best_chain(par, val)
+        assert [i for i in range(len(par)) if got[cu[b] + i]] == sorted(want)
+    for keep in range(0, 12):
+        pruned = prune_to_top(tree, keep, allowed=got)
+        pruned.validate()
+        for b in range(pruned.num_requests):  # each request keeps a chain
+            par = pruned.request(b).parent.tolist()
+            assert par == [-1] + list(range(len(par) - 1))
+        assert pruned.total - pruned.num_requests == min(keep, int(got.sum()) - tree.num_requests)
+
+
+def test_draft_depth_follows_the_deepest_kept_node():
+    from vllm_eagle_tree.core.budget import GoodputPlanner
+
+    pl = GoodputPlanner(max_depth=6, warmup=0)
+    assert pl.draft_depth(6) == 6  # nothing planned yet
+    pl.observe_verify(1, 0.010)
+    pl.observe_verify(8, 0.012)
+    deep = TreeBatch.from_parents([[-1, 0, 1, 2, 3]], [[1, 2, 3, 4, 5]],
+                                  values=[[0, -0.01, -0.02, -0.03, -5.0]])
+    pl.prune(deep)  # the depth-4 node is not worth its row
+    assert pl.kept_depth == 3 and pl.draft_depth(6) == 4 and pl.draft_depth(2) == 2
+    pl.verify_cost = LinearCost(a=0.010, b=1.0)
+    pl.prune(deep)  # nothing is worth a row
+    assert pl.draft_depth(6) == 1
+
+
+def test_value_calibration_learns_acceptance_per_depth_and_value_bin():
+    """Each (depth, value) bin converges to its observed acceptance rate,
+    starting from the draft's own probability (the prior)."""
+    from vllm_eagle_tree.core.budget import ValueCalibration
+
+    cal = ValueCalibration(max_depth=2, decay=1.0)
+    v, d = torch.tensor([math.log(0.3), math.log(0.3), math.log(0.05)]), torch.tensor([1, 2, 1])
+    assert cal.calibrate(v, d).tolist() == pytest.approx([0.3, 0.3, 0.05])
+    for i in range(300):  # depth-1 nodes of value log .3: 80% accepted; depth 2: never
+        cal.observe(v[:2], d[:2], torch.tensor([i % 5 != 0, False]))
+    got = cal.calibrate(v, d).tolist()
+    assert got[0] == pytest.approx(0.8, abs=0.01) and got[1] < 0.01
+    # a bin never verified starts from its draft probability times the head's
+    # overall accepted / predicted ratio: 240 accepted of 600 x 0.3 predicted
+    assert cal.ratio == pytest.approx(241 / 181)
+    assert got[2] == pytest.approx(0.05 * 241 / 181)
+    assert cal.table()[0][2] == pytest.approx(0.8)
+
+
+def test_calibration_uses_the_drafted_path_values_and_skips_unknown_ones():
+    """Verified trees carry the path values they were drafted with, and the
+    nodes on the accepted path are the ones counted as accepted; a chain
+    rebuilt from the scheduler's drafts has no values (NaN) and must not move
+    the calibration (treating unknown values as log-prob 0 would teach the
+    planner that p = 1 nodes are rarely accepted)."""
+    from vllm_eagle_tree.core.budget import GoodputPlanner
+
+    nan = math.nan
+    vals = [0, math.log(0.5), math.log(0.25), math.log(0.25)]
+    known = TreeBatch.from_parents([[-1, 0, 1, 0]], [[1, 2, 3, 4]], values=[vals])
+    pl = GoodputPlanner(max_depth=2, warmup=0)
+    for _ in range(40):  # the first child and its child always accepted, the sibling never
+        pl.observe_acceptance(known, torch.tensor([2]), torch.tensor([[1, 2]]))
+    p = pl.accept_prob(known).tolist()
+    assert p[0] == 1.0 and p[1] > 0.95 and p[2] > 0.95 and p[3] < 0.05
+    both = TreeBatch.from_parents([[-1, 0, 1, 0], [-1, 0, 1, 0]], [[1, 2, 3, 4]] * 2,
+                                  values=[vals, [nan] * 4])
+    seen, acc = pl.calibration.seen.clone(), pl.calibration.accepted.clone()
+    pl.observe_acceptance(both, torch.tensor([0, 2]), torch.tensor([[-1, -1], [1, 2]]),
+                          req_ids=["a", "b"])
+    decay = pl.calibration.decay
+    # request a (known values, nothing accepted) counted; request b ignored
+    assert float(pl.calibration.seen.sum()) == pytest.approx(float(seen.sum()) * decay + 3)
+    assert float(pl.calibration.accepted.sum()) == pytest.approx(float(acc.sum()) * decay)
+    assert "b" not in pl.request_factor

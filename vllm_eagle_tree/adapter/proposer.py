@@ -23,7 +23,7 @@ root (the step's bonus token) drafts at ``R - 1``, a depth-d node at
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.forward_context import set_forward_context
@@ -143,12 +143,13 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft(self, reqs: list[FirstPassRows], target_hidden: torch.Tensor,
               aux_hidden: list[torch.Tensor] | None, block_table: torch.Tensor,
-              req_ids: list[str] | None = None,
-              ) -> list[tuple[list[int], list[int]] | None]:
+              req_ids: list[str] | None = None, arm: str | None = None,
+              ) -> list[tuple[list[int], list[int], list[float]] | None]:
         """Run the first pass for ``reqs`` and grow trees where ``grow_tree``.
 
         ``block_table`` holds the persistent batch's block-table rows. Returns
-        per request ``(parents, tokens)`` of its tree (root included) or None.
+        per request ``(parents, tokens, path values)`` of its tree (root
+        included) or None.
         """
         if not reqs:
             return []
@@ -223,33 +224,42 @@ class TreeDrafter:
             return self._logprobs(lh).reshape(B, kk, -1)
 
         assert k >= 1
-        tree = expand_tree(self.tree, root_tokens, root_logprobs, step_fn,
+        cfg = self.tree
+        chain = arm is not None and arm.startswith("chain-")
+        if chain:  # the bandit's chain arm: the head's greedy chain of K tokens
+            K = int(arm.split("-")[1])
+            cfg = replace(cfg, top_k=1, max_depth=K, num_nodes=K, batch_num_nodes=None,
+                          depth_threshold=0.0, width_mass=1.0, min_path_prob=0.0)
+        elif self.planner is not None:
+            cfg = replace(cfg, max_depth=self.planner.draft_depth(cfg.max_depth))
+        tree = expand_tree(cfg, root_tokens, root_logprobs, step_fn,
                            context_len=commit.to(torch.int32))
-        if self.planner is not None:
+        if self.planner is not None and not chain:
             tree = self.planner.prune(tree, other_rows=len(reqs) - len(grow),
                                       req_ids=None if req_ids is None else [req_ids[i] for i in grow])
         cu_n = tree.cu_nodes.tolist()
         parents = tree.parent.tolist()
         toks = tree.token.tolist()
+        vals = tree.value.tolist()
         for j, i in enumerate(grow):
             a, b = cu_n[j], cu_n[j + 1]
-            out[i] = (parents[a:b], toks[a:b])
+            out[i] = (parents[a:b], toks[a:b], vals[a:b])
         return out
 
 
-def tree_from_cache(cached: tuple[list[int], list[int]] | None, drafts: list[int],
-                    root_token: int) -> tuple[list[int], list[int]]:
-    """The tree the scheduler sent back: ``(parents, tokens)`` of the cached tree's
-    first ``len(drafts) + 1`` nodes (the scheduler only truncates, so this is a
-    prefix of what was proposed). If the tokens do not match the cache (e.g.
-    placeholder drafts of a resumed request), the drafts verify as a chain of
-    their own, which is still lossless."""
+def tree_from_cache(cached: tuple[list[int], list[int], list[float]] | None, drafts: list[int],
+                    root_token: int) -> tuple[list[int], list[int], list[float] | None]:
+    """The tree the scheduler sent back: ``(parents, tokens, path values)`` of
+    the cached tree's first ``len(drafts) + 1`` nodes (the scheduler only
+    truncates, so this is a prefix of what was proposed). If the tokens do not
+    match the cache (e.g. placeholder drafts of a resumed request), the drafts
+    verify as a chain of their own, which is still lossless; its path values
+    are unknown (None)."""
     n = len(drafts) + 1
     if cached is not None:
-        parents, tokens = cached
+        parents, tokens, values = cached
         if len(parents) >= n and tokens[1:n] == list(drafts):
-            return parents[:n], [root_token] + list(drafts)
+            return parents[:n], [root_token] + list(drafts), values[:n]
     if any(t < 0 for t in drafts):
-        return [-1], [root_token]  # placeholders: no tree, just the root
-    return [-1] + list(range(n - 1)), [root_token] + list(drafts)
-
+        return [-1], [root_token], None  # placeholders: no tree, just the root
+    return [-1] + list(range(n - 1)), [root_token] + list(drafts), None

@@ -29,6 +29,7 @@ decodes in the same batch, with a one-time warning.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -37,7 +38,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ..core import TreeBatch, verify
-from ..core.budget import GoodputPlanner
+from ..core.budget import GoodputPlanner, ShapeBandit
 from .attention import TREE_METADATA_ATTR, TreeAttention
 from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
@@ -94,6 +95,7 @@ class _TreeStep:
         self.q_start: list[int] = []       # first flat query row (the root)
         self.context_len: list[int] = []   # num_computed_tokens before the step
         self.trees: list[tuple[list[int], list[int]]] = []  # (parents, tokens)
+        self.values: list[list[float]] = []  # draft path values (NaN: unknown)
         self.tree: TreeBatch | None = None
         self.accepted: dict[int, tuple[list[int], int]] = {}  # batch row -> (nodes, bonus)
 
@@ -111,7 +113,7 @@ class TreeRunnerMixin:
             raise RuntimeError("the eagle2 tree runner was started without eagle2 settings")
         if self.uses_mrope:
             raise NotImplementedError('"method": "eagle2" does not support M-RoPE models yet')
-        self._trees: dict[str, tuple[list[int], list[int]]] = {}
+        self._trees: dict[str, tuple[list[int], list[int], list[float]]] = {}
         self._pending: dict[str, PendingRows] = {}  # first passes held back (planner)
         self._tree_step = _TreeStep()
         self._warned: set[str] = set()
@@ -140,8 +142,12 @@ class TreeRunnerMixin:
                     f"eagle2: KV cache block size {kv.shape[2]} differs from the block "
                     f"table's {self._tree_block_size}")
         self.tree_planner = None
+        self.tree_bandit = None
         if self.eagle2.goodput:
             self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
+            self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth)
+        self._step_clock: float | None = None
+        self._step_emitted = 0
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
                                         self._tree_block_size, planner=self.tree_planner)
 
@@ -166,6 +172,11 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------- 1. positions
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        if self.tree_bandit is not None:  # the previous engine step, measured whole
+            now = time.perf_counter()
+            if self._step_clock is not None and self._step_emitted > 0:
+                self.tree_bandit.observe(self._step_emitted, now - self._step_clock)
+            self._step_clock, self._step_emitted = now, 0
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -185,15 +196,19 @@ class TreeRunnerMixin:
                 q0 = int(qsl[i])
                 ctx = int(self.input_batch.num_computed_tokens_cpu[i])
                 root = int(self.input_ids.cpu[q0])
-                parents, tokens = tree_from_cache(self._trees.get(req_id), drafts, root)
+                parents, tokens, values = tree_from_cache(self._trees.get(req_id), drafts, root)
                 step.batch_index.append(i)
                 step.req_ids.append(req_id)
                 step.q_start.append(q0)
                 step.context_len.append(ctx)
                 step.trees.append((parents, tokens))
+                # unknown path values (a chain rebuilt from drafts) are NaN:
+                # the planner's calibration skips them
+                step.values.append(values if values is not None else [math.nan] * len(parents))
         if step:
             step.tree = TreeBatch.from_parents([p for p, _ in step.trees],
-                                               [t for _, t in step.trees], step.context_len)
+                                               [t for _, t in step.trees], step.context_len,
+                                               values=step.values)
             sizes = step.tree.sizes.tolist()
             rows = torch.cat([q0 + torch.arange(n) for q0, n in zip(step.q_start, sizes)])
             self.positions[rows] = (step.tree.context_len.long().repeat_interleave(
@@ -244,6 +259,7 @@ class TreeRunnerMixin:
 
     # ------------------------------------------ 4. verification, compaction
     def _sample(self, logits, spec_decode_metadata):
+        self._step_emitted = self.input_batch.num_reqs  # + accepted drafts, below
         if spec_decode_metadata is None:  # no drafts anywhere: vLLM's sampler, as vanilla
             return super()._sample(logits, None)
         # vLLM's RejectionSampler never runs on eagle2 steps: tree rows are
@@ -300,6 +316,7 @@ class TreeRunnerMixin:
                      torch.tensor(top_p, dtype=torch.float32), gens)
         sampled = out.sampled_token_ids
         num_acc = res.num_accepted.tolist()
+        self._step_emitted += sum(num_acc)
         for j, i in enumerate(step.batch_index):
             emitted = res.emitted(j)
             sampled[i].fill_(-1)
@@ -311,7 +328,8 @@ class TreeRunnerMixin:
                            res.accepted_nodes)
         self._record_tree_stats(tree, res)
         if self.tree_planner is not None:
-            self.tree_planner.observe_acceptance(tree, res.num_accepted, req_ids=step.req_ids)
+            self.tree_planner.observe_acceptance(tree, res.num_accepted, res.accepted_nodes,
+                                                 req_ids=step.req_ids)
         return out
 
     def _unique_kv_caches(self) -> list[torch.Tensor]:
@@ -356,7 +374,12 @@ class TreeRunnerMixin:
         # While the planner's plan is "no speculation", plain decodes hold back
         # their first pass too (PendingRows); it runs, caught up, on the next
         # step that drafts (the planner re-plans every few steps).
-        skip = planner is not None and planner.skip_drafting()
+        arm = None
+        if self.tree_bandit is not None:
+            arm = self.tree_bandit.choose(sum(
+                1 for r in self.input_batch.req_ids[:num_reqs]
+                if scheduler_output.num_scheduled_tokens.get(r, 0) > 0))
+        skip = arm == "plain"
         reqs: list[FirstPassRows] = []
         for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
             st = self.requests[req_id]
@@ -404,7 +427,7 @@ class TreeRunnerMixin:
         t = time.perf_counter()
         trees = self.tree_drafter.draft(
             reqs, hidden_states, aux_hidden_states, bt,
-            req_ids=[self.input_batch.req_ids[q.batch_index] for q in reqs])
+            req_ids=[self.input_batch.req_ids[q.batch_index] for q in reqs], arm=arm)
         if planner is not None and any(q.grow_tree for q in reqs):
             planner.observe_draft(time.perf_counter() - t)
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]

@@ -52,7 +52,9 @@ class TreeCPUWorker(CPUWorker):
                 "verify_seconds_a": planner.verify_cost.a, "verify_seconds_per_row": planner.verify_cost.b,
                 "draft_seconds": planner.draft_seconds, "steps_timed": planner.steps_timed,
                 "tree_step_overhead_seconds": planner.tree_overhead,
-                "depth_factors": list(planner.calibration.factors),
+                "acceptance_by_depth_and_value": planner.calibration.table(),
+                "arm_tokens_per_second": self.model_runner.tree_bandit.summary(),
+                "arm": self.model_runner.tree_bandit.current,
                 "last_plan": None if plan is None else vars(plan).copy(),
             }
         return stats

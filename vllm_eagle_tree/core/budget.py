@@ -28,8 +28,8 @@ import torch
 
 from .tree import TreeBatch
 
-__all__ = ["LinearCost", "DepthCalibration", "BudgetPlan", "plan_budget", "prune_to_top",
-           "GoodputPlanner"]
+__all__ = ["LinearCost", "DepthCalibration", "ValueCalibration", "BudgetPlan", "plan_budget", "prune_to_top",
+           "best_chains", "GoodputPlanner", "ShapeBandit"]
 
 
 @dataclass
@@ -95,11 +95,72 @@ class DepthCalibration:
 
 
 @dataclass
+class ValueCalibration:
+    """P(node accepted) from its depth and path value, learned from verify outcomes.
+
+    The draft head's own probabilities are often far from the target's
+    acceptance (the bundled EAGLE-3 head is under-confident by 2-3x at depth
+    1), and one factor per depth cannot fix that for siblings, of which at
+    most one is accepted. So nodes are binned by (depth, path value in steps
+    of ``bin_width`` nats) and each bin estimates accepted / verified, with
+    ``prior`` pseudo-observations at the node's draft probability times the
+    head's overall ratio of accepted to predicted (so bins not verified yet,
+    e.g. deeper ones, start from what the head is worth on average rather
+    than from its raw, possibly under-confident, probabilities), and
+    exponential forgetting (``decay`` per observed step).
+    """
+
+    max_depth: int
+    bin_width: float = 0.5
+    num_bins: int = 16
+    prior: float = 1.0
+    decay: float = 0.995
+
+    def __post_init__(self) -> None:
+        self.seen = torch.zeros(self.max_depth, self.num_bins)
+        self.accepted = torch.zeros(self.max_depth, self.num_bins)
+        self.total_accepted = 0.0
+        self.total_predicted = 0.0  # sum of raw draft probabilities
+
+    @property
+    def ratio(self) -> float:
+        """Overall accepted / raw draft probability (1 before any observation)."""
+        return (self.total_accepted + 1.0) / (self.total_predicted + 1.0)
+
+    def _bins(self, value: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = (depth.long() - 1).clamp(0, self.max_depth - 1)
+        b = (-value.float() / self.bin_width).floor().long().clamp(0, self.num_bins - 1)
+        return d, b
+
+    def observe(self, value: torch.Tensor, depth: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One step's verified nodes: path values, depths (>= 1), accepted (bool)."""
+        self.seen *= self.decay
+        self.accepted *= self.decay
+        self.total_accepted = self.decay * self.total_accepted + float(accepted.float().sum())
+        self.total_predicted = self.decay * self.total_predicted + float(value.float().exp().sum())
+        d, b = self._bins(value, depth)
+        self.seen.index_put_((d, b), torch.ones(d.numel()), accumulate=True)
+        self.accepted.index_put_((d, b), accepted.float(), accumulate=True)
+
+    def calibrate(self, value: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        d, b = self._bins(value, depth)
+        prior = (value.float().exp() * self.ratio).clamp(0, 1)
+        return ((self.accepted[d, b] + self.prior * prior) / (self.seen[d, b] + self.prior)).clamp(0, 1)
+
+    def table(self) -> list[list[float | None]]:
+        """Estimated acceptance per [depth][bin] (None: no observation yet)."""
+        rate = self.accepted / self.seen.clamp(min=1e-9)
+        return [[round(float(r), 4) if float(n) > 0.5 else None for r, n in zip(rr, nn)]
+                for rr, nn in zip(rate, self.seen)]
+
+
+@dataclass
 class BudgetPlan:
     num_nodes: int            # drafted nodes to verify, whole batch
     tokens: float             # expected emitted tokens this step
     seconds: float            # predicted step time
     tokens_per_second: float
+    chain: bool = False       # the nodes are each request's greedy path (no tree mask)
 
 
 def plan_budget(accept_prob: torch.Tensor, num_requests: int, verify_cost: LinearCost,
@@ -125,23 +186,53 @@ def plan_budget(accept_prob: torch.Tensor, num_requests: int, verify_cost: Linea
                       tokens_per_second=float(rate[best]))
 
 
+def best_chains(tree: TreeBatch) -> torch.Tensor:
+    """bool [total]: each request's greedy path (root, then at every depth the
+    child of highest path value, the first one on ties): the chain a chain
+    drafter would have proposed."""
+    total = tree.total
+    gp = tree.global_parent.long()
+    value = tree.value.float()
+    has_parent = gp >= 0
+    idx = torch.arange(total)
+    best_value = torch.full((total,), -math.inf).scatter_reduce(
+        0, gp[has_parent], value[has_parent], "amax")
+    is_best = has_parent & (value == best_value[gp.clamp(min=0)])
+    first = torch.full((total,), total, dtype=torch.long).scatter_reduce(
+        0, gp[is_best], idx[is_best], "amin")
+    is_best &= idx == first[gp.clamp(min=0)]
+    on_chain = ~has_parent
+    for _ in range(int(tree.depth.max()) if total else 0):
+        on_chain = on_chain | (is_best & on_chain[gp.clamp(min=0)])
+    return on_chain
+
+
 def prune_to_top(tree: TreeBatch, keep: int,
-                 request_offset: torch.Tensor | None = None) -> TreeBatch:
+                 request_offset: torch.Tensor | None = None,
+                 allowed: torch.Tensor | None = None,
+                 score: torch.Tensor | None = None) -> TreeBatch:
     """The batch's ``keep`` best drafted nodes by path value, roots always kept.
 
     ``request_offset`` (float [B], optional) is added to every value of a
     request (e.g. the log of its calibration factor), moving budget between
-    requests. Ancestor-closed: order is (score descending, global index
-    ascending) and a child's score is at most its parent's (same offset),
-    which comes first in the packed order, so a kept node's parent is kept.
+    requests. ``allowed`` (bool [total], optional, ancestor-closed, e.g.
+    :func:`best_chains`) limits the candidates. ``score`` (float [total],
+    optional, never above the parent's) ranks the nodes instead of the path
+    values. Ancestor-closed: order is
+    (score descending, global index ascending) and a child's score is at most
+    its parent's (same offset), which comes first in the packed order, so a
+    kept node's parent is kept.
     """
     is_root = tree.parent < 0
     total = tree.total
     keep = max(0, min(keep, total - tree.num_requests))
-    value = tree.value
+    value = tree.value if score is None else score.float()
     if request_offset is not None:
         value = value + request_offset.float()[tree.request_index.long()]
     score = torch.where(is_root, torch.full_like(value, math.inf), value)
+    if allowed is not None:
+        keep = min(keep, int((allowed & ~is_root).sum()))
+        score = torch.where(allowed | is_root, score, torch.full_like(score, -math.inf))
     order = sorted(range(total), key=lambda i: (-float(score[i]), i))
     kept = torch.zeros(total, dtype=torch.bool)
     kept[order[: tree.num_requests + keep]] = True
@@ -177,7 +268,7 @@ class GoodputPlanner:
     def __init__(self, max_depth: int, warmup: int = 8, window: int = 64, decay: float = 0.9):
         self.verify_cost = LinearCost(window=window)  # steps without trees: seconds vs rows
         self.tree_overhead = 0.0  # EMA: extra seconds of a verify step that holds trees
-        self.calibration = DepthCalibration(max_depth=max_depth, decay=decay)
+        self.calibration = ValueCalibration(max_depth=max_depth)
         self.draft_seconds = 0.0
         self.warmup = warmup
         self.steps_timed = 0
@@ -185,6 +276,7 @@ class GoodputPlanner:
         self.probe_every = 8
         self._skipped = 0
         self.request_factor: dict[str, float] = {}  # per-request EMA accepted / predicted
+        self.kept_depth: int | None = None  # deepest node the last plan kept
         self.decay = decay
 
     def _request_factors(self, req_ids, B: int) -> torch.Tensor:
@@ -228,17 +320,21 @@ class GoodputPlanner:
             0.9 * self.draft_seconds + 0.1 * seconds
 
     def observe_acceptance(self, tree: TreeBatch, num_accepted: torch.Tensor,
-                           req_ids=None) -> None:
-        """Update the per-depth factors and, with ``req_ids``, each request's own
+                           accepted_nodes: torch.Tensor, req_ids=None) -> None:
+        """Learn from one verified batch: ``accepted_nodes`` [B, >= max accepted]
+        (request-local indices, from ``core.verify``) are the accepted paths.
+        Updates the value calibration and, with ``req_ids``, each request's own
         factor (so requests whose drafts the target keeps accepting, such as
-        code, earn larger trees than requests it keeps rejecting)."""
-        D = self.calibration.max_depth
-        drafted = tree.parent >= 0
-        p = self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
-        d = tree.depth[drafted].long().clamp(1, D) - 1
-        predicted = torch.zeros(D).index_add_(0, d, p.float()).tolist()
+        code, earn larger trees than requests it keeps rejecting). Nodes with
+        unknown path values (NaN) are skipped."""
+        drafted = (tree.parent >= 0) & ~torch.isnan(tree.value)
         acc = num_accepted.reshape(-1).long()
-        accepted = [int((acc >= k).sum()) for k in range(1, D + 1)]
+        hit = torch.zeros(tree.total, dtype=torch.bool)
+        cu = tree.cu_nodes.long()
+        for b, n in enumerate(acc.tolist()):
+            if n > 0:
+                hit[cu[b] + accepted_nodes[b, :n].long()] = True
+        p = self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
         if req_ids is not None:
             per_req = torch.zeros(tree.num_requests).index_add_(
                 0, tree.request_index[drafted].long(), p.float())
@@ -247,7 +343,20 @@ class GoodputPlanner:
                     ratio = min(max(int(acc[b]) / float(per_req[b]), 0.05), 20.0)
                     old = self.request_factor.get(r, 1.0)
                     self.request_factor[r] = self.decay * old + (1 - self.decay) * ratio
-        self.calibration.observe(predicted, accepted)
+        if bool(drafted.any()):
+            self.calibration.observe(tree.value[drafted], tree.depth[drafted], hit[drafted])
+
+    def accept_prob(self, tree: TreeBatch, req_ids=None) -> torch.Tensor:
+        """float [total]: each node's estimated acceptance probability (calibrated,
+        times its request's factor, never above its parent's; roots 1)."""
+        rf = self._request_factors(req_ids, tree.num_requests)
+        p = (self.calibration.calibrate(tree.value, tree.depth)
+             * rf[tree.request_index.long()]).clamp(0, 1)
+        p = torch.where(tree.parent < 0, torch.ones_like(p), p)
+        gp = tree.global_parent.long()
+        for _ in range(int(tree.depth.max()) if tree.total else 0):
+            p = torch.minimum(p, torch.where(gp >= 0, p[gp.clamp(min=0)], p))
+        return p
 
     def prune(self, tree: TreeBatch, other_rows: int = 0, req_ids=None) -> TreeBatch:
         """``tree`` cut to the best budget; ``other_rows``: query rows of the
@@ -256,12 +365,121 @@ class GoodputPlanner:
         if self.steps_timed < self.warmup:
             return tree
         drafted = tree.parent >= 0
-        rf = self._request_factors(req_ids, tree.num_requests)
-        p = (self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
-             * rf[tree.request_index[drafted].long()]).clamp(0, 1)
+        p_all = self.accept_prob(tree, req_ids)
+        p = p_all[drafted]
         cost = LinearCost(a=self.verify_cost(other_rows), b=self.verify_cost.b)
-        self.last_plan = plan_budget(p, tree.num_requests, cost,
-                                     self.draft_seconds + self.tree_overhead)
-        if self.last_plan.num_nodes >= int(drafted.sum()):
-            return tree
-        return prune_to_top(tree, self.last_plan.num_nodes, request_offset=rf.log())
+        # Two shapes: any ancestor-closed subset (pays the tree-step overhead,
+        # i.e. tree attention), or each request's greedy chain (a causal mask:
+        # no overhead). The faster wins; ties go to the chain.
+        chain = best_chains(tree)
+        as_tree = plan_budget(p, tree.num_requests, cost, self.draft_seconds + self.tree_overhead)
+        as_chain = plan_budget(p[chain[drafted]], tree.num_requests, cost, self.draft_seconds)
+        as_chain.chain = True
+        plan = as_chain if as_chain.tokens_per_second >= as_tree.tokens_per_second else as_tree
+        self.last_plan = plan
+        if plan.num_nodes == 0:
+            self.kept_depth = 0
+            return prune_to_top(tree, 0)
+        pruned = prune_to_top(tree, plan.num_nodes, score=p_all.clamp(min=1e-30).log(),
+                              allowed=chain if plan.chain else None)
+        self.kept_depth = int(pruned.depth.max())
+        return pruned
+
+    def draft_depth(self, max_depth: int) -> int:
+        """How deep to draft this step: one level past the deepest node the
+        last plan kept (so depth can grow back), at most ``max_depth``."""
+        if self.steps_timed < self.warmup or self.kept_depth is None:
+            return max_depth
+        return max(1, min(max_depth, self.kept_depth + 1))
+
+
+class ShapeBandit:
+    """Chooses the drafting shape by measured goodput: "plain" (no drafts),
+    "chain-K" (the head's greedy chain of K tokens) for K = 1..max_depth, or
+    "tree" (the configured tree, sized per step by :class:`GoodputPlanner`).
+
+    Measure, don't guess: each arm's rate is emitted tokens per second of
+    whole engine steps (drafting, verification, scheduling and everything
+    else a prediction would miss), as EMAs per batch-size bucket (powers of
+    two), since what pays at batch 1 does not at batch 64. An arm is kept for
+    ``window`` steps (the first step of a window is not counted: it carries
+    the previous arm's drafts); untried arms go first, then the best one,
+    with one exploring window every ``explore_every`` windows (round robin
+    over the others).
+    """
+
+    def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
+                 min_windows: int = 1, decay: float = 0.7):
+        self.arms = ["plain"] + [f"chain-{k}" for k in range(1, max_depth + 1)] + ["tree"]
+        self.window = window
+        self.explore_every = explore_every
+        self.min_windows = min_windows
+        self.decay = decay
+        self.stats: dict[int, dict[str, list[float]]] = {}  # bucket -> arm -> [tok, sec, windows]
+        self.current = "tree"
+        self._left = 0
+        self._bucket = 0
+        self._acc = [0.0, 0.0, 0]  # this window: tokens, seconds, counted steps
+        self._windows = 0
+        self._explore_at = 0
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return max(int(batch_size), 1).bit_length() - 1
+
+    def rate(self, bucket: int, arm: str) -> float | None:
+        st = self.stats.get(bucket, {}).get(arm)
+        return None if st is None or st[1] <= 0 else st[0] / st[1]
+
+    def choose(self, batch_size: int) -> str:
+        """The arm for this step's drafts."""
+        b = self.bucket(batch_size)
+        if self._left > 0 and b == self._bucket:
+            self._left -= 1
+            return self.current
+        self._close_window()
+        self._bucket = b
+        stats = self.stats.setdefault(b, {})
+        untried = [a for a in self.arms if stats.get(a, [0, 0, 0])[2] < self.min_windows]
+        if untried:
+            arm = untried[0]
+        else:
+            ranked = sorted(self.arms, key=lambda a: -self.rate(b, a))
+            self._windows += 1
+            if self._windows % self.explore_every == 0:
+                others = ranked[1:]
+                arm = others[self._explore_at % len(others)]
+                self._explore_at += 1
+            else:
+                arm = ranked[0]
+        self.current = arm
+        self._left = self.window - 1
+        self._acc = [0.0, 0.0, -1]  # -1: skip the window's first observation
+        return arm
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        """One finished engine step under the current arm: emitted tokens and
+        wall seconds."""
+        if self._acc[2] < 0:
+            self._acc[2] = 0
+            return
+        self._acc[0] += tokens
+        self._acc[1] += seconds
+        self._acc[2] += 1
+
+    def _close_window(self) -> None:
+        tok, sec, n = self._acc
+        if n <= 0 or sec <= 0:
+            return
+        st = self.stats.setdefault(self._bucket, {}).get(self.current)
+        if st is None:
+            self.stats[self._bucket][self.current] = [tok / n, sec / n, 1]
+        else:
+            st[0] = self.decay * st[0] + (1 - self.decay) * tok / n
+            st[1] = self.decay * st[1] + (1 - self.decay) * sec / n
+            st[2] += 1
+        self._acc = [0.0, 0.0, 0]
+
+    def summary(self) -> dict:
+        return {str(1 << b): {a: round(st[0] / st[1], 2) for a, st in arms.items() if st[1] > 0}
+                for b, arms in self.stats.items()}
