@@ -11,11 +11,14 @@ Modules:
                        validation, head-format detection, translation into a
                        SpeculativeConfig vLLM accepts, tree settings carried to
                        workers in ``VllmConfig.additional_config``, and the
-                       single gate that refuses to start until the tree
-                       runner exists.
-  cpu_tree_attention   prototype of the CPU tree-verify attention and KV
-                       compaction over vLLM's CPU_ATTN cache layout (not wired
-                       into generation yet).
+                       single gate that installs the tree worker (or refuses
+                       to start on a platform without one).
+  worker, runner       the CPU worker and V1 model runner that run trees.
+  proposer             the tree drafter driving vLLM's EAGLE head.
+  attention            the CPU_ATTN backend subclass that serves tree rows.
+  cpu_tree_attention   tree attention (fused C++ op in cpu_tree_attention.cpp,
+                       PyTorch plan) and KV compaction over vLLM's CPU_ATTN
+                       cache layout.
 
 Importing this package does not import vLLM.
 """

@@ -37,10 +37,12 @@ key                 allowed values (default)   meaning
 ``batch_num_nodes`` int >= 1 or null (null)    adaptive only: one node budget shared by
                                                the whole batch (each request still capped
                                                at ``num_nodes``); null = off
-``goodput``         true / false (false)       adaptive only: each step verify the number
-                                               of drafted nodes that maximises expected
-                                               tokens per second, from live step timings
-                                               and per-depth calibrated path values
+``goodput``         true / false (false)       adaptive only: each step draft the shape
+                                               (none, a chain of K, the tree) with the
+                                               best measured tokens per second, and
+                                               verify the tree nodes that maximise
+                                               expected tokens per second from live
+                                               step timings and calibrated acceptance
                                                (core/budget.py); tensor parallel size 1
                                                only for now
 ==================  =========================  ==========================================
@@ -95,10 +97,11 @@ is a closed ``Literal`` and the class forbids extra keys):
   error): with it vLLM schedules K placeholder draft tokens per request before
   the drafts exist, which cannot describe a variable-size tree.
 
-Finally :func:`install_tree_runner` is called: **the single gate**. Until the
-tree runner exists it refuses to start (an eagle2 config must never run
-vLLM's chain silently); when the runner lands, :func:`tree_runner_worker_cls`
-returns its worker class and the gate sets ``parallel_config.worker_cls``.
+Finally :func:`install_tree_runner` is called: **the single gate**.
+:func:`tree_runner_worker_cls` returns the platform's tree worker class (CPU
+today) and the gate sets ``parallel_config.worker_cls``; on a platform without
+one it refuses to start (an eagle2 config must never run vLLM's chain
+silently).
 
 Any other method goes to vLLM's own ``create_speculative_config`` untouched.
 """

@@ -1,5 +1,8 @@
-"""Prototype: tree-verify attention and accepted-path KV compaction on vLLM 0.32's
-CPU_ATTN KV cache. Not wired into generation yet (docs/INTEGRATION.md, step 4).
+"""Tree-verify attention and accepted-path KV compaction on vLLM 0.32's
+CPU_ATTN KV cache (docs/INTEGRATION.md, step 4), used by ``adapter.attention``
+and ``adapter.runner``. Tree attention has two implementations that tests
+hold equal: the fused C++ op (``cpu_tree_attention.cpp``,
+:func:`load_cpu_tree_op`) and the PyTorch :class:`TreeAttentionPlan`.
 
 The CPU_ATTN cache of one attention layer is a contiguous tensor of nominal
 shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
@@ -41,7 +44,7 @@ import torch
 from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
 
 __all__ = ["cpu_kv_views", "probe_cpu_kv_layout", "cpu_tree_attention", "cpu_compact_kv",
-           "padded_tree_attention", "TreeAttentionPlan", "load_cpu_tree_op", "fused_tree_attention",
+           "padded_tree_attention", "TreeAttentionPlan", "load_cpu_tree_op",
            "KNOWN_ISAS", "CPU_KERNEL_ENV"]
 
 CPU_KERNEL_ENV = "EAGLE_TREE_CPU_KERNEL"
@@ -81,16 +84,6 @@ def load_cpu_tree_op():
                        if str(e) else "", CPU_KERNEL_ENV)
         return None
     return torch.ops.eagle_tree.tree_attention
-
-
-def fused_tree_attention(op, query, kv_cache, rows, block_table, row_req, ctx_lens, tree_lens,
-                         tree_mask, scale, out):
-    """Tree rows ``rows`` of ``out [N, Hq, D]`` from ``query [N, Hq, D]`` with the
-    fused op (arguments as the .cpp file says; indices int64, block table and
-    mask int32, all contiguous)."""
-    op(out, query, rows, kv_cache, block_table, row_req, ctx_lens, tree_lens, tree_mask,
-       float(scale))
-    return out
 
 
 def cpu_kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

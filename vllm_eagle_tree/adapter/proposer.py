@@ -65,6 +65,16 @@ class FirstPassRows:
     grow_tree: bool
     pending: "PendingRows | None" = None
 
+    @property
+    def tokens(self) -> list[int]:
+        """Draft input tokens of every row the first pass runs, held-back ones first."""
+        return (self.pending.next_tokens if self.pending else []) + self.next_tokens
+
+    @property
+    def all_slots(self) -> torch.Tensor:
+        """Slots of those rows."""
+        return self.slots if self.pending is None else torch.cat([self.pending.slots, self.slots])
+
 
 @dataclass
 class PendingRows:
@@ -165,15 +175,11 @@ class TreeDrafter:
                 at += len(q.src_rows)
             raw = torch.cat(parts)
         feats = self.model.combine_hidden_states(raw) if self.is_eagle3 else raw
-        sizes = [len(q.src_rows) + (len(q.pending.next_tokens) if q.pending else 0)
-                 for q in reqs]
-        tokens = torch.tensor([t for q in reqs
-                               for t in (q.pending.next_tokens if q.pending else []) + q.next_tokens],
-                              dtype=torch.long, device=device)
+        sizes = [len(q.tokens) for q in reqs]
+        tokens = torch.tensor([t for q in reqs for t in q.tokens], dtype=torch.long, device=device)
         positions = torch.cat([q.context_len + torch.arange(n, device=device)
                                for q, n in zip(reqs, sizes)])
-        slots = torch.cat([s for q in reqs
-                           for s in ([q.pending.slots] if q.pending else []) + [q.slots]]).to(device)
+        slots = torch.cat([q.all_slots for q in reqs]).to(device)
         rows_bt = block_table[[q.batch_index for q in reqs]]
         cu = torch.zeros(len(reqs) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(sizes), 0)
@@ -190,7 +196,7 @@ class TreeDrafter:
         last_h, next_h = self._run(tokens, positions, feats, slots, attn)
 
         grow = [i for i, q in enumerate(reqs) if q.grow_tree]
-        out: list[tuple[list[int], list[int]] | None] = [None] * len(reqs)
+        out: list[tuple[list[int], list[int], list[float]] | None] = [None] * len(reqs)
         if not grow:
             return out
         last_rows = (cu[1:] - 1).long()[grow]
@@ -200,7 +206,6 @@ class TreeDrafter:
         # R: committed tokens with KV once this step is done (the root drafts at R-1).
         commit = torch.tensor([reqs[i].context_len + sizes[i] for i in grow], dtype=torch.long)
         grow_bt = rows_bt[grow]
-        k = self.tree.top_k
         state = {"hidden": root_hidden.unsqueeze(1)}  # [B, k_prev, H] of the last frontier
 
         def step_fn(frontier) -> torch.Tensor:
@@ -223,7 +228,6 @@ class TreeDrafter:
             state["hidden"] = nh.reshape(B, kk, -1)
             return self._logprobs(lh).reshape(B, kk, -1)
 
-        assert k >= 1
         cfg = self.tree
         chain = arm is not None and arm.startswith("chain-")
         if chain:  # the bandit's chain arm: the head's greedy chain of K tokens

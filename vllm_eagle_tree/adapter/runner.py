@@ -97,6 +97,7 @@ class _TreeStep:
         self.trees: list[tuple[list[int], list[int]]] = []  # (parents, tokens)
         self.values: list[list[float]] = []  # draft path values (NaN: unknown)
         self.tree: TreeBatch | None = None
+        self.masked: list[int] = []  # trees that need tree attention (_masked_trees)
         self.accepted: dict[int, tuple[list[int], int]] = {}  # batch row -> (nodes, bonus)
 
     def __bool__(self) -> bool:
@@ -114,11 +115,14 @@ class TreeRunnerMixin:
         if self.uses_mrope:
             raise NotImplementedError('"method": "eagle2" does not support M-RoPE models yet')
         self._trees: dict[str, tuple[list[int], list[int], list[float]]] = {}
-        self._pending: dict[str, PendingRows] = {}  # first passes held back (planner)
+        self._pending: dict[str, PendingRows] = {}  # first passes held back ("plain" arm)
         self._tree_step = _TreeStep()
         self._warned: set[str] = set()
         self.tree_drafter: TreeDrafter | None = None
         self.tree_planner: GoodputPlanner | None = None  # set once the KV cache exists
+        self.tree_bandit: ShapeBandit | None = None      # likewise
+        self._step_clock: float | None = None  # start of the current engine step
+        self._step_emitted = 0                 # tokens the current step emitted
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
                            "accepted_per_depth": [0] * self.eagle2.tree.max_depth,
                            "drafted_per_depth": [0] * self.eagle2.tree.max_depth}
@@ -141,13 +145,10 @@ class TreeRunnerMixin:
                 raise NotImplementedError(
                     f"eagle2: KV cache block size {kv.shape[2]} differs from the block "
                     f"table's {self._tree_block_size}")
-        self.tree_planner = None
-        self.tree_bandit = None
+        self._tree_kv_caches = self._unique_kv_caches()  # what compaction moves
         if self.eagle2.goodput:
             self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
             self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth)
-        self._step_clock: float | None = None
-        self._step_emitted = 0
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
                                         self._tree_block_size, planner=self.tree_planner)
 
@@ -213,6 +214,7 @@ class TreeRunnerMixin:
             rows = torch.cat([q0 + torch.arange(n) for q0, n in zip(step.q_start, sizes)])
             self.positions[rows] = (step.tree.context_len.long().repeat_interleave(
                 step.tree.sizes.long()) + step.tree.depth.long()).to(self.positions.dtype)
+            step.masked = _masked_trees(step)
         self._tree_step = step
         self._timed_rows = int(scheduler_output.total_num_scheduled_tokens)
         return out
@@ -222,7 +224,7 @@ class TreeRunnerMixin:
         if self.tree_planner is None or rows is None:  # profiling / dummy runs: not timed
             return super()._model_forward(*args, **kwargs)
         step = self._tree_step
-        tree_rows = sum(len(step.trees[b][0]) for b in _masked_trees(step)) if step else 0
+        tree_rows = sum(len(step.trees[b][0]) for b in step.masked)
         t = time.perf_counter()
         out = super()._model_forward(*args, **kwargs)
         self.tree_planner.observe_verify(rows, time.perf_counter() - t, tree_rows=tree_rows)
@@ -234,7 +236,7 @@ class TreeRunnerMixin:
         if not step or step.tree is None:
             return None
         sizes = step.tree.sizes
-        keep = _masked_trees(step)
+        keep = step.masked
         if not keep:
             return None
         sub = TreeBatch.cat([step.tree.request(b) for b in keep])
@@ -324,7 +326,7 @@ class TreeRunnerMixin:
             step.accepted[i] = (res.accepted_nodes[j, :num_acc[j]].tolist(), emitted[-1])
         if any(num_acc):
             bt = self.input_batch.block_table[0].get_cpu_tensor()[step.batch_index]
-            cpu_compact_kv(self._unique_kv_caches(), bt, tree.context_len, res.num_accepted,
+            cpu_compact_kv(self._tree_kv_caches, bt, tree.context_len, res.num_accepted,
                            res.accepted_nodes)
         self._record_tree_stats(tree, res)
         if self.tree_planner is not None:
@@ -333,6 +335,7 @@ class TreeRunnerMixin:
         return out
 
     def _unique_kv_caches(self) -> list[torch.Tensor]:
+        """Every distinct layer cache tensor (target and head layers), once."""
         seen, caches = set(), []
         for kv in self.kv_caches:
             key = (kv.data_ptr(), kv.storage_offset())
@@ -371,9 +374,10 @@ class TreeRunnerMixin:
         max_len = self.max_model_len
         scratch = self.eagle2.draft_scratch_slots
         planner = self.tree_planner
-        # While the planner's plan is "no speculation", plain decodes hold back
-        # their first pass too (PendingRows); it runs, caught up, on the next
-        # step that drafts (the planner re-plans every few steps).
+        # With "goodput", the shape bandit picks this step's drafting shape. On
+        # its "plain" arm no drafts are made and plain decodes hold back their
+        # first pass too (PendingRows); it runs, caught up, on the next step
+        # that drafts.
         arm = None
         if self.tree_bandit is not None:
             arm = self.tree_bandit.choose(sum(

@@ -1,20 +1,23 @@
-"""Goodput planning for a batch of draft trees (groundwork for issue 6), plain PyTorch.
+"""Goodput for a batch of draft trees (issue 6), plain PyTorch.
 
 Each verify step costs time that grows with the number of query rows (one per
 request plus one per drafted node) and emits, in expectation, one bonus token
-per request plus the sum over drafted nodes of P(node accepted). The planner
-picks how many of the drafted candidates to verify so that expected emitted
-tokens per second is highest, possibly zero (no speculation this step).
+per request plus the sum over drafted nodes of P(node accepted).
 
-* :class:`LinearCost`: ``seconds = a + b * x``, least squares over a window of
-  recent observations (live refinement of a start-up measurement).
-* :class:`DepthCalibration`: per-depth EMA of accepted / predicted, so that
-  path values (the draft's own confidence) are corrected by what the target
-  actually accepts.
-* :func:`plan_budget`: the best number of nodes for the batch.
-* :func:`prune_to_top`: keep the batch's best ``n`` nodes by path value
-  (ancestor-closed: a child's value never exceeds its parent's, ties go to the
-  earlier node, which is the parent).
+* :class:`ShapeBandit`: which shape each step drafts (none, the head's greedy
+  chain of K tokens, or a tree), by measured emitted tokens per second.
+* :class:`GoodputPlanner`: how many of a drafted tree's nodes to verify (any
+  subset or each request's greedy chain, possibly none), from a verify-cost
+  model and calibrated acceptance probabilities:
+
+  * :class:`LinearCost`: ``seconds = a + b * x``, least squares over a window
+    of recent observations (live refinement of a start-up measurement);
+  * :class:`ValueCalibration`: acceptance by (depth, path value) bin, learned
+    from the nodes the target accepted;
+  * :func:`plan_budget`: the best number of nodes for the batch;
+  * :func:`prune_to_top`: keep the batch's best ``n`` nodes (ancestor-closed:
+    a child's score never exceeds its parent's, ties go to the earlier node,
+    which is the parent); :func:`best_chains`: each request's greedy path.
 
 Used by the vLLM runner with ``"adaptive": true, "goodput": true``.
 """
@@ -28,7 +31,7 @@ import torch
 
 from .tree import TreeBatch
 
-__all__ = ["LinearCost", "DepthCalibration", "ValueCalibration", "BudgetPlan", "plan_budget", "prune_to_top",
+__all__ = ["LinearCost", "ValueCalibration", "BudgetPlan", "plan_budget", "prune_to_top",
            "best_chains", "GoodputPlanner", "ShapeBandit"]
 
 
@@ -66,32 +69,6 @@ class LinearCost:
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
-
-
-@dataclass
-class DepthCalibration:
-    """Per-depth factor = EMA of (accepted nodes / predicted acceptances)."""
-
-    max_depth: int
-    decay: float = 0.9
-    factors: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.factors:
-            self.factors = [1.0] * self.max_depth
-
-    def observe(self, predicted: list[float], accepted: list[int]) -> None:
-        """``predicted[d-1]``: sum of calibrated probabilities of the verified
-        depth-d nodes; ``accepted[d-1]``: nodes accepted at depth d."""
-        for d, (p, a) in enumerate(zip(predicted, accepted)):
-            if p > 1e-6:
-                ratio = (a / p) * self.factors[d]  # raw probabilities' ratio
-                self.factors[d] = self.decay * self.factors[d] + (1 - self.decay) * ratio
-
-    def calibrate(self, logp: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        """Acceptance probability estimates from path values ``logp`` at ``depth`` (>= 1)."""
-        f = torch.tensor(self.factors, dtype=torch.float32, device=logp.device)
-        return (logp.float().exp() * f[(depth.long() - 1).clamp(0, self.max_depth - 1)]).clamp(0, 1)
 
 
 @dataclass
@@ -259,9 +236,10 @@ class GoodputPlanner:
 
     The engine reports, every step: the verify forward's wall time with its
     number of query rows (:meth:`observe_verify`), the drafting time
-    (:meth:`observe_draft`) and, per verified tree, the nodes' depths, path
-    values and accepted counts (:meth:`observe_acceptance`). :meth:`prune`
-    then keeps the goodput-optimal number of the freshly drafted nodes.
+    (:meth:`observe_draft`) and, per verified tree, its nodes and accepted
+    paths (:meth:`observe_acceptance`). :meth:`prune` then keeps the
+    goodput-optimal subset of the freshly drafted nodes, and
+    :meth:`draft_depth` says how deep to draft next.
     Until ``warmup`` verify steps have been timed, trees are left as drafted.
     """
 
@@ -273,8 +251,6 @@ class GoodputPlanner:
         self.warmup = warmup
         self.steps_timed = 0
         self.last_plan: BudgetPlan | None = None
-        self.probe_every = 8
-        self._skipped = 0
         self.request_factor: dict[str, float] = {}  # per-request EMA accepted / predicted
         self.kept_depth: int | None = None  # deepest node the last plan kept
         self.decay = decay
@@ -289,19 +265,6 @@ class GoodputPlanner:
         live = set(live_req_ids)
         for r in [r for r in self.request_factor if r not in live]:
             del self.request_factor[r]
-
-    def skip_drafting(self) -> bool:
-        """True while the last plan was "no speculation": the engine then skips
-        tree expansion (the cost the plan assumed saved), re-drafting every
-        ``probe_every`` steps to re-plan."""
-        if self.last_plan is None or self.last_plan.num_nodes > 0:
-            self._skipped = 0
-            return False
-        self._skipped += 1
-        if self._skipped >= self.probe_every:
-            self._skipped = 0
-            return False
-        return True
 
     def observe_verify(self, query_rows: int, seconds: float, tree_rows: int = 0) -> None:
         """A verify forward's wall time. Steps without trees (prefills, plain
