@@ -300,23 +300,16 @@ def test_compaction_then_causal_decode(ops, setup, hf_model):
         torch.testing.assert_close(logits[b], ref, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_padded_tree_attention_equals_reference(seed):
-    """The batched CPU path equals the per-request reference (random trees,
-    GQA, contexts across block boundaries, trailing tree_lens wider than the
-    queries as in draft steps)."""
-    from vllm_eagle_tree.adapter.cpu_tree_attention import padded_tree_attention
+def _random_tree_requests(g, B, nb, max_q, max_ctx, wide):
+    """B requests of random trees for the batched-attention tests: query rows
+    n (1..max_q-1), trailing tree keys tl (n, or wider when ``wide``, as in
+    draft steps), contexts ctx, block tables over ``nb`` blocks, cu_q_lens
+    and bit-packed masks (each row sees itself plus random other tree keys)."""
     from vllm_eagle_tree.core.tree import pack_bits
-    from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
 
-    g = torch.Generator().manual_seed(seed)
-    B, page, hkv, group, d, nb = 5, 16, 2, 3, 8, 40
-    kc = torch.randn(nb, page, hkv, d, generator=g)
-    vc = torch.randn(nb, page, hkv, d, generator=g)
-    n = torch.randint(1, 9, (B,), generator=g)
-    tl = n + torch.randint(0, 6, (B,), generator=g) * (seed % 2)
-    ctx = torch.randint(0, 70, (B,), generator=g)
-    L = ctx + tl
+    n = torch.randint(1, max_q, (B,), generator=g)
+    tl = n + torch.randint(0, 6, (B,), generator=g) * int(wide)
+    ctx = torch.randint(0, max_ctx, (B,), generator=g)
     bt = torch.stack([torch.randperm(nb, generator=g)[:8] for _ in range(B)]).int()
     cu = torch.zeros(B + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(n, 0)
@@ -325,7 +318,23 @@ def test_padded_tree_attention_equals_reference(seed):
         m = torch.rand(int(n[b]), int(tl[b]), generator=g) < 0.5
         m[torch.arange(int(n[b])), int(tl[b]) - int(n[b]) + torch.arange(int(n[b]))] = True
         masks.append(pack_bits(torch.nn.functional.pad(m, (0, int(tl.max()) - int(tl[b])))))
-    mask = torch.cat(masks)
+    return tl, ctx, bt, cu, torch.cat(masks)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_padded_tree_attention_equals_reference(seed):
+    """The batched CPU path equals the per-request reference (random trees,
+    GQA, contexts across block boundaries, trailing tree_lens wider than the
+    queries as in draft steps)."""
+    from vllm_eagle_tree.adapter.cpu_tree_attention import padded_tree_attention
+    from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
+
+    g = torch.Generator().manual_seed(seed)
+    B, page, hkv, group, d, nb = 5, 16, 2, 3, 8, 40
+    kc = torch.randn(nb, page, hkv, d, generator=g)
+    vc = torch.randn(nb, page, hkv, d, generator=g)
+    tl, ctx, bt, cu, mask = _random_tree_requests(g, B, nb, max_q=9, max_ctx=70, wide=seed % 2)
+    L = ctx + tl
     q = torch.randn(int(cu[-1]), hkv * group, d, generator=g)
     ref = tree_attention_ref(q, kc, vc, bt, L, cu, mask, 0.3, tree_lens=tl)
     got = padded_tree_attention(q, kc, vc, bt, L, cu, mask, 0.3, tree_lens=tl)
@@ -341,7 +350,6 @@ def test_fused_cpu_op_equals_reference(seed, dtype):
     wider than the queries (draft steps), tree rows scattered among other rows
     of the query/output tensors, which it must leave untouched."""
     from vllm_eagle_tree.adapter.attention import TreeAttention
-    from vllm_eagle_tree.core.tree import pack_bits
     from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
 
     op = cta.load_cpu_tree_op()
@@ -350,20 +358,9 @@ def test_fused_cpu_op_equals_reference(seed, dtype):
     B, page, hkv, group, d, nb = 5, [16, 32][seed % 2], 2, 2, 64, 40
     kv = torch.randn(nb, hkv, page, 2 * d, generator=g).to(dtype)
     kc, vc = cta.cpu_kv_views(kv)
-    n = torch.randint(1, 12, (B,), generator=g)
-    tl = n + torch.randint(0, 6, (B,), generator=g) * (seed % 2)
-    ctx = torch.randint(0, 90, (B,), generator=g)
+    tl, ctx, bt, cu, mask = _random_tree_requests(g, B, nb, max_q=12, max_ctx=90, wide=seed % 2)
     ctx[0] = 0
     L = ctx + tl
-    bt = torch.stack([torch.randperm(nb, generator=g)[:8] for _ in range(B)]).int()
-    cu = torch.zeros(B + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(n, 0)
-    masks = []
-    for b in range(B):
-        m = torch.rand(int(n[b]), int(tl[b]), generator=g) < 0.5
-        m[torch.arange(int(n[b])), int(tl[b]) - int(n[b]) + torch.arange(int(n[b]))] = True
-        masks.append(pack_bits(torch.nn.functional.pad(m, (0, int(tl.max()) - int(tl[b])))))
-    mask = torch.cat(masks)
     Q = int(cu[-1])
     N = Q + 7
     rows = torch.randperm(N, generator=g)[:Q].sort().values

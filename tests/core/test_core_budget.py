@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_eagle_tree.core import TreeBatch
-from vllm_eagle_tree.core.budget import (DepthCalibration, LinearCost, plan_budget,
+from vllm_eagle_tree.core.budget import (LinearCost, plan_budget,
                                          prune_to_top)
 
 
@@ -55,17 +55,6 @@ def test_plan_budget_extremes():
     # rows are expensive relative to their acceptance: no speculation
     assert plan_budget(probs, 4, LinearCost(a=0.0, b=1.0), draft_seconds=0.5).num_nodes == 0
     assert plan_budget(probs, 4, LinearCost(a=1.0, b=0.0), max_nodes=7).num_nodes == 7
-
-
-def test_depth_calibration_converges_to_observed_acceptance():
-    cal = DepthCalibration(max_depth=3, decay=0.5)
-    logp = torch.log(torch.tensor([0.8, 0.5, 0.4]))
-    depth = torch.tensor([1, 2, 3])
-    for _ in range(40):  # target accepts half as often as the draft believes at depth 2
-        p = cal.calibrate(logp, depth)
-        cal.observe(p.tolist(), [0.8, 0.25, 0.4])
-    assert cal.factors == pytest.approx([1.0, 0.5, 1.0], abs=1e-3)
-    assert cal.calibrate(logp, depth).tolist() == pytest.approx([0.8, 0.25, 0.4], abs=1e-3)
 
 
 def test_prune_to_top_keeps_the_best_nodes_and_their_ancestors():
@@ -129,18 +118,6 @@ def test_goodput_planner_prunes_once_rows_are_expensive():
     before = float(pl.calibration.calibrate(torch.tensor([-0.1]), d1))
     pl.observe_acceptance(tree, torch.tensor([0, 0]), torch.full((2, 2), -1))
     assert float(pl.calibration.calibrate(torch.tensor([-0.1]), d1)) < before
-
-
-def test_goodput_planner_skips_drafting_while_the_plan_is_zero_and_probes():
-    from vllm_eagle_tree.core.budget import BudgetPlan, GoodputPlanner
-
-    pl = GoodputPlanner(max_depth=2)
-    assert not pl.skip_drafting()
-    pl.last_plan = BudgetPlan(num_nodes=0, tokens=1, seconds=1, tokens_per_second=1)
-    pattern = [pl.skip_drafting() for _ in range(16)]
-    assert pattern == ([True] * 7 + [False]) * 2
-    pl.last_plan = BudgetPlan(num_nodes=3, tokens=1, seconds=1, tokens_per_second=1)
-    assert not pl.skip_drafting()
 
 
 def test_per_request_calibration_moves_budget_to_requests_that_get_accepted():
@@ -290,3 +267,36 @@ def test_calibration_uses_the_drafted_path_values_and_skips_unknown_ones():
     assert float(pl.calibration.seen.sum()) == pytest.approx(float(seen.sum()) * decay + 3)
     assert float(pl.calibration.accepted.sum()) == pytest.approx(float(acc.sum()) * decay)
     assert "b" not in pl.request_factor
+
+
+def test_shape_bandit_tries_every_arm_then_keeps_the_fastest_and_explores():
+    """Arms are held for a window (its first step not counted), untried arms
+    go first, then the best measured rate, with every 8th window exploring
+    the others in turn; batch-size buckets learn separately."""
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    bandit = ShapeBandit(max_depth=2, window=4, explore_every=8)
+    assert bandit.arms == ["plain", "chain-1", "chain-2", "tree"]
+    speed = {"plain": 30.0, "chain-1": 45.0, "chain-2": 60.0, "tree": 40.0}  # tokens/s
+
+    def run(batch, steps):
+        chosen = []
+        for _ in range(steps):
+            arm = bandit.choose(batch)
+            chosen.append(arm)
+            bandit.observe(tokens=speed[arm] * 0.1, seconds=0.1)
+        return chosen
+
+    first = run(1, 16)
+    assert first == [a for a in bandit.arms for _ in range(4)]
+    assert bandit.rate(0, "chain-2") == pytest.approx(60.0)
+    later = run(1, 4 * 16)
+    windows = [later[i] for i in range(0, len(later), 4)]
+    # best arm except one exploring window in 8 (round robin over the others)
+    assert windows.count("chain-2") == 14 and windows[7] != "chain-2"
+    assert windows[15] != "chain-2" and windows[15] != windows[7]
+    # another batch-size bucket starts over; its window closes on the next choice
+    assert run(16, 4) == ["plain"] * 4
+    bandit.choose(16)
+    assert bandit.summary()["16"] == {"plain": pytest.approx(30.0)}
+    assert bandit.summary()["1"]["chain-2"] == pytest.approx(60.0)
