@@ -102,7 +102,12 @@ def test_goodput_budget_greedy_identical(vanilla_greedy_200):
     finally:
         free_llm(llm)
     assert_same(got, vanilla_greedy_200[:64], "goodput")
-    assert g["steps_timed"] > 8 and g["last_plan"] is not None
+    assert g["steps_timed"] > 8
+    # the shape bandit measured a few arms, in tokens per second
+    arms = g["arm_tokens_per_second"]
+    assert sum(len(a) for a in arms.values()) >= 3, arms
+    assert all(r > 0 for a in arms.values() for r in a.values()) and g["arm"] in \
+        ["plain", "chain-1", "chain-2", "chain-3", "chain-4", "chain-5", "tree"]
     assert g["verify_seconds_a"] >= 0 and g["verify_seconds_per_row"] >= 0
     seen = [r for row in g["acceptance_by_depth_and_value"] for r in row if r is not None]
     assert seen and all(0.0 <= r <= 1.0 for r in seen)
@@ -140,10 +145,14 @@ def _set_skip_pattern(worker, period):
     if not hasattr(drafter, "_test_draft"):
         drafter._test_draft = drafter.draft
 
+    flushed = runner._test_flushed = []
+
     def draft(reqs, *args, req_ids=None, **kwargs):
         for q, rid in zip(reqs, req_ids):
             toks = (q.pending.next_tokens if q.pending else []) + q.next_tokens
             log.extend((rid, q.context_len + j, t) for j, t in enumerate(toks))
+            if q.pending is not None and not q.grow_tree:
+                flushed.append(len(q.pending))
         return drafter._test_draft(reqs, *args, req_ids=req_ids, **kwargs)
 
     drafter.draft = draft
@@ -151,15 +160,17 @@ def _set_skip_pattern(worker, period):
 
 
 def _first_pass_log(worker):
-    return list(worker.model_runner._test_first_pass_log)
+    return list(worker.model_runner._test_first_pass_log), list(worker.model_runner._test_flushed)
 
 
 def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
     """While the planner chooses no speculation, plain decodes hold back the
     head's first pass (runner ``PendingRows``) and run it, caught up, on the
-    next drafting step. Checked exactly: the head's input at draft position
-    p is the sequence's token p+1, for every position up to the last one it
-    ran (no hole left by a skipped step), and the output is unchanged."""
+    next drafting step, or without a tree once MAX_PENDING_ROWS are held.
+    Checked exactly: the head's input at draft position p is the sequence's
+    token p+1, for every position up to the last one it ran (no hole left by
+    a skipped step), and the output is unchanged."""
+    from vllm_eagle_tree.adapter.runner import MAX_PENDING_ROWS
     from transformers import AutoTokenizer
 
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
@@ -167,11 +178,12 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
     tok = AutoTokenizer.from_pretrained(str(assets.TARGET))
     llm = make_llm(speculative_config=spec, max_num_seqs=8)
     try:
-        assert llm.collective_rpc(_set_skip_pattern, args=(4,)) == [True]
+        # a tree every 20th step: held-back runs of 19 steps hit the cap
+        assert llm.collective_rpc(_set_skip_pattern, args=(20,)) == [True]
         before = spec_counters(llm)
         outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
         d = _speculated(llm, before)
-        log = llm.collective_rpc(_first_pass_log)[0]
+        log, flushed = llm.collective_rpc(_first_pass_log)[0]
     finally:
         free_llm(llm)
     got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
@@ -193,3 +205,71 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
         assert not bad, (rid, bad[:5])
         held_back += len(seq) - 2 - last
     assert held_back > 0  # some requests ended with first passes still held back
+    assert flushed and set(flushed) == {MAX_PENDING_ROWS}, flushed
+
+
+def _force_arms(worker, arms, fast):
+    """Test hook: the shape bandit's arm cycles through ``arms`` step by
+    step, chain arms are drafted with (``fast``) or without the chain fast
+    path, and every drafted tree is recorded as (arm, parents, tokens, values)."""
+    runner = worker.model_runner
+    drafter = runner.tree_drafter
+    count = [0]
+
+    def choose(batch_size):
+        count[0] += 1
+        return arms[count[0] % len(arms)]
+
+    runner.tree_bandit.choose = choose
+    drafter.chain_fast_path = fast
+    if not hasattr(drafter, "_test_draft"):
+        drafter._test_draft = drafter.draft
+    log = runner._test_drafts = []
+
+    def draft(reqs, *args, arm=None, **kwargs):
+        out = drafter._test_draft(reqs, *args, arm=arm, **kwargs)
+        log.extend((arm, *t) for t in out if t is not None)
+        return out
+
+    drafter.draft = draft
+    return True
+
+
+def _drafts_log(worker):
+    return list(worker.model_runner._test_drafts)
+
+
+def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
+    """The chain arms' fast path (``TreeDrafter._draft_chain``, no
+    ``expand_tree``) drafts exactly the chains ``expand_tree`` grows with
+    top_k=1 (same tokens, parents and path values, step by step), and a batch
+    whose arm changes every step (plain, every chain length, tree) keeps
+    greedy output identical."""
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
+            "max_depth": 4, "top_k": 4, "adaptive": True, "goodput": True}
+    llm = make_llm(speculative_config=spec, max_num_seqs=8, enable_prefix_caching=False)
+    try:
+        logs = []
+        for fast in (True, False):
+            assert llm.collective_rpc(_force_arms, args=(["chain-3"], fast)) == [True]
+            got = run(llm, PROMPTS[:16], GREEDY)
+            assert_same(got, vanilla_greedy_200[:16], f"chain-3, fast path {fast}")
+            logs.append(llm.collective_rpc(_drafts_log)[0])
+        arms = ["plain", "chain-1", "chain-2", "plain", "chain-3", "chain-4", "tree", "tree"]
+        assert llm.collective_rpc(_force_arms, args=(arms, True)) == [True]
+        before = spec_counters(llm)
+        got = run(llm, PROMPTS[:32], GREEDY)
+        d = _speculated(llm, before)
+        mixed = llm.collective_rpc(_drafts_log)[0]
+        g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+    finally:
+        free_llm(llm)
+    fast, slow = logs
+    assert len(fast) == len(slow) > 50
+    for (arm, p, t, v), (arm2, p2, t2, v2) in zip(fast, slow):
+        assert arm == arm2 == "chain-3" and p == p2 == [-1, 0, 1, 2] and t == t2
+        assert v == pytest.approx(v2, abs=1e-5) and v[0] == 0.0
+    assert_same(got, vanilla_greedy_200[:32], "arm changing every step")
+    assert {a for a, *_ in mixed} == set(arms) - {"plain"}
+    assert d.drafts > 0
+    assert g["last_plan"] is not None  # the tree arm's trees were sized by the planner

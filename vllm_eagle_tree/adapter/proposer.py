@@ -23,6 +23,7 @@ root (the step's bonus token) drafts at ``R - 1``, a depth-d node at
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -76,21 +77,33 @@ class FirstPassRows:
         return self.slots if self.pending is None else torch.cat([self.pending.slots, self.slots])
 
 
-@dataclass
 class PendingRows:
-    """A request's first-pass rows held back while the planner skips drafting:
-    target features (``TreeDrafter.features``) [g, F] of positions
-    ``start..start+g-1``, the tokens that follow them and their slots."""
+    """A request's first-pass rows held back while the shape bandit skips
+    drafting: target features (``TreeDrafter.features``) of positions
+    ``start..start+g-1``, the tokens that follow them and their slots, kept
+    as per-step chunks (joined once, when they run)."""
 
-    start: int
-    features: torch.Tensor
-    next_tokens: list[int]
-    slots: torch.Tensor
+    def __init__(self, start: int):
+        self.start = start
+        self._features: list[torch.Tensor] = []
+        self.next_tokens: list[int] = []
+        self._slots: list[torch.Tensor] = []
 
     def extend(self, features: torch.Tensor, next_tokens: list[int], slots: torch.Tensor):
-        self.features = torch.cat([self.features, features])
+        self._features.append(features)
         self.next_tokens = self.next_tokens + next_tokens
-        self.slots = torch.cat([self.slots, slots])
+        self._slots.append(slots)
+
+    @property
+    def features(self) -> torch.Tensor:
+        return torch.cat(self._features)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return torch.cat(self._slots)
+
+    def __len__(self) -> int:
+        return len(self.next_tokens)
 
     @property
     def end(self) -> int:
@@ -108,6 +121,7 @@ class TreeDrafter:
         self.planner = planner  # core.budget.GoodputPlanner or None
         self.block_size = block_size
         self.is_eagle3 = proposer.method == "eagle3"
+        self.chain_fast_path = True  # chain arms without expand_tree (_draft_chain)
         self.layer_names: list[str] = sorted(proposer._draft_attn_layer_names)
         if not self.layer_names:
             raise RuntimeError("eagle2: the EAGLE head has no attention layer")
@@ -228,9 +242,16 @@ class TreeDrafter:
             state["hidden"] = nh.reshape(B, kk, -1)
             return self._logprobs(lh).reshape(B, kk, -1)
 
+        if arm is not None and arm.startswith("chain-") and self.chain_fast_path:
+            # the bandit's chain arm: the head's greedy chain of K tokens
+            parents, toks, vals = self._draft_chain(int(arm.split("-")[1]), root_tokens,
+                                                    root_logprobs, root_hidden, commit, grow_bt)
+            for j, i in enumerate(grow):
+                out[i] = (parents, toks[j], vals[j])
+            return out
         cfg = self.tree
         chain = arm is not None and arm.startswith("chain-")
-        if chain:  # the bandit's chain arm: the head's greedy chain of K tokens
+        if chain:  # the same chain through expand_tree (chain_fast_path off: tests)
             K = int(arm.split("-")[1])
             cfg = replace(cfg, top_k=1, max_depth=K, num_nodes=K, batch_num_nodes=None,
                           depth_threshold=0.0, width_mass=1.0, min_path_prob=0.0)
@@ -249,6 +270,38 @@ class TreeDrafter:
             a, b = cu_n[j], cu_n[j + 1]
             out[i] = (parents[a:b], toks[a:b], vals[a:b])
         return out
+
+    def _draft_chain(self, K: int, root_tokens: torch.Tensor, logprobs: torch.Tensor,
+                     hidden: torch.Tensor, commit: torch.Tensor, block_rows: torch.Tensor):
+        """Each request's greedy chain of ``K`` drafted tokens: what
+        ``expand_tree`` grows with ``top_k=1`` and no pruning (same tokens, path
+        values, draft positions and scratch slots ``R + d - 1``; a test holds
+        them equal), in ``K - 1`` head forwards without its candidate
+        bookkeeping. Returns (parents, tokens [B][K+1], values [B][K+1])."""
+        B = root_tokens.numel()
+        value = torch.zeros(B)
+        tokens, values = [root_tokens.long()], [value]
+        ones = torch.ones(B, dtype=torch.int32)
+        for d in range(1, K + 1):
+            lp = logprobs.float()
+            top = torch.topk(lp.masked_fill(torch.isnan(lp), -math.inf), 1, dim=-1)
+            value = value + top.values[:, 0].clamp(max=0.0)
+            tok = top.indices[:, 0]
+            tokens.append(tok)
+            values.append(value)
+            if d == K:
+                break
+            pos = commit + (d - 1)  # draft position of a depth-d node, and its scratch slot
+            attn = TreeAttention(
+                rows=torch.arange(B), cu_q_lens=torch.arange(B + 1, dtype=torch.int32),
+                seq_lens=(commit + d).to(torch.int32), tree_lens=ones * d,
+                tree_mask=pack_bits(torch.ones(B, d, dtype=torch.bool)),
+                block_table=block_rows)
+            lh, hidden = self._run(tok, pos, hidden, self._slots(block_rows, pos.unsqueeze(1)),
+                                   attn)
+            logprobs = self._logprobs(lh)
+        return ([-1] + list(range(K)), torch.stack(tokens, 1).tolist(),
+                torch.stack(values, 1).tolist())
 
 
 def tree_from_cache(cached: tuple[list[int], list[int], list[float]] | None, drafts: list[int],

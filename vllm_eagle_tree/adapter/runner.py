@@ -49,6 +49,12 @@ logger = logging.getLogger("vllm_eagle_tree")
 __all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "tree_fallback_reason"]
 
 
+MAX_PENDING_ROWS = 16
+"""A request's first passes are held back for at most this many steps (the
+shape bandit's "plain" arm); then they run, without a tree, so that a long
+stretch without drafts neither grows memory nor delays the next draft."""
+
+
 def tree_fallback_reason(req_state) -> str | None:
     """Why a request cannot be drafted as a tree (None: it can)."""
     sp = req_state.sampling_params
@@ -116,6 +122,7 @@ class TreeRunnerMixin:
             raise NotImplementedError('"method": "eagle2" does not support M-RoPE models yet')
         self._trees: dict[str, tuple[list[int], list[int], list[float]]] = {}
         self._pending: dict[str, PendingRows] = {}  # first passes held back ("plain" arm)
+        self._fallback: dict[str, str | None] = {}  # tree_fallback_reason per live request
         self._tree_step = _TreeStep()
         self._warned: set[str] = set()
         self.tree_drafter: TreeDrafter | None = None
@@ -184,7 +191,7 @@ class TreeRunnerMixin:
         num_reqs = self.input_batch.num_reqs
         qsl = self.query_start_loc.np
         live = set(self.input_batch.req_ids[:num_reqs])
-        for cache in (self._trees, self._pending):
+        for cache in (self._trees, self._pending, self._fallback):
             for req_id in [r for r in cache if r not in live]:
                 del cache[req_id]
         if self.tree_planner is not None:
@@ -324,10 +331,15 @@ class TreeRunnerMixin:
             sampled[i].fill_(-1)
             sampled[i, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
             step.accepted[i] = (res.accepted_nodes[j, :num_acc[j]].tolist(), emitted[-1])
-        if any(num_acc):
-            bt = self.input_batch.block_table[0].get_cpu_tensor()[step.batch_index]
-            cpu_compact_kv(self._tree_kv_caches, bt, tree.context_len, res.num_accepted,
-                           res.accepted_nodes)
+        # A path whose nodes are 1..n (a chain, or a tree's first branch) is
+        # already where compaction would put it: move only the others.
+        move = [j for j, n in enumerate(num_acc)
+                if n and res.accepted_nodes[j, :n].tolist() != list(range(1, n + 1))]
+        if move:
+            bt = self.input_batch.block_table[0].get_cpu_tensor()[
+                [step.batch_index[j] for j in move]]
+            cpu_compact_kv(self._tree_kv_caches, bt, tree.context_len[move],
+                           res.num_accepted[move], res.accepted_nodes[move])
         self._record_tree_stats(tree, res)
         if self.tree_planner is not None:
             self.tree_planner.observe_acceptance(tree, res.num_accepted, res.accepted_nodes,
@@ -385,9 +397,11 @@ class TreeRunnerMixin:
                 if scheduler_output.num_scheduled_tokens.get(r, 0) > 0))
         skip = arm == "plain"
         reqs: list[FirstPassRows] = []
+        held: list[tuple[str, PendingRows, int, list[int], torch.Tensor]] = []
         for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
-            st = self.requests[req_id]
-            reason = tree_fallback_reason(st)
+            if req_id not in self._fallback:  # sampling parameters never change
+                self._fallback[req_id] = tree_fallback_reason(self.requests[req_id])
+            reason = self._fallback[req_id]
             if reason is not None:
                 self._warn_once(reason)
                 continue
@@ -403,7 +417,7 @@ class TreeRunnerMixin:
             else:
                 src = list(range(q0, q0 + n_sched))
                 if discard[i]:
-                    nxt_tok = st.get_token_id(ctx + n_sched)
+                    nxt_tok = self.requests[req_id].get_token_id(ctx + n_sched)
                 else:
                     valid = [t for t in sampled[i] if t >= 0]
                     nxt_tok = valid[-1]
@@ -415,18 +429,19 @@ class TreeRunnerMixin:
             pending = self._pending.pop(req_id, None)
             if pending is not None and pending.end != ctx:
                 pending = None  # not contiguous with this step (cannot happen; be safe)
-            if skip and m == 1 and not discard[i] and i not in step.accepted:
-                feats = self.tree_drafter.features(hidden_states, aux_hidden_states,
-                                                   torch.tensor(src))
-                if pending is None:
-                    pending = PendingRows(ctx, feats.clone(), nxt, slots)
-                else:
-                    pending.extend(feats.clone(), nxt, slots)
-                self._pending[req_id] = pending
+            if skip and m == 1 and not discard[i] and i not in step.accepted \
+                    and (pending is None or len(pending) < MAX_PENDING_ROWS):
+                held.append((req_id, pending or PendingRows(ctx), q0, nxt, slots))
                 continue
             reqs.append(FirstPassRows(batch_index=i, src_rows=src, next_tokens=nxt,
                                       context_len=ctx if pending is None else pending.start,
                                       slots=slots, grow_tree=grow, pending=pending))
+        if held:  # one gather (a copy: the step's buffers are reused) for all held rows
+            feats = self.tree_drafter.features(hidden_states, aux_hidden_states,
+                                               torch.tensor([h[2] for h in held]))
+            for j, (req_id, pending, _, nxt, slots) in enumerate(held):
+                pending.extend(feats[j:j + 1], nxt, slots)
+                self._pending[req_id] = pending
         bt = self.input_batch.block_table[0].get_cpu_tensor()
         t = time.perf_counter()
         trees = self.tree_drafter.draft(
