@@ -269,34 +269,40 @@ def test_calibration_uses_the_drafted_path_values_and_skips_unknown_ones():
     assert "b" not in pl.request_factor
 
 
-def test_shape_bandit_tries_every_arm_then_keeps_the_fastest_and_explores():
-    """Arms are held for a window (its first step not counted), untried arms
-    go first, then the best measured rate, with every 8th window exploring
-    the others in turn; batch-size buckets learn separately."""
+def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
+    """Arms are held for a window (its first step not counted). A new bucket
+    starts from the nearest measured bucket's best arm (chain-1 at first),
+    measures the neighbours of its best arm until both are slower (a local
+    search along plain < chain-1 < chain-2 < tree), then keeps the best one
+    and re-measures a neighbour after 8 windows times 1 + gap / 5%."""
     from vllm_eagle_tree.core.budget import ShapeBandit
 
     bandit = ShapeBandit(max_depth=2, window=4, explore_every=8)
     assert bandit.arms == ["plain", "chain-1", "chain-2", "tree"]
-    speed = {"plain": 30.0, "chain-1": 45.0, "chain-2": 60.0, "tree": 40.0}  # tokens/s
+    speed = {1: {"plain": 30.0, "chain-1": 45.0, "chain-2": 60.0, "tree": 40.0},  # tokens/s
+             64: {"plain": 100.0, "chain-1": 80.0, "chain-2": 60.0, "tree": 50.0}}
 
-    def run(batch, steps):
+    def run(batch, windows):
         chosen = []
-        for _ in range(steps):
+        for _ in range(4 * windows):
             arm = bandit.choose(batch)
             chosen.append(arm)
-            bandit.observe(tokens=speed[arm] * 0.1, seconds=0.1)
-        return chosen
+            bandit.observe(tokens=speed[batch][arm] * 0.1, seconds=0.1)
+        assert all(chosen[w] == chosen[w - w % 4] for w in range(len(chosen)))
+        return chosen[::4]
 
-    first = run(1, 16)
-    assert first == [a for a in bandit.arms for _ in range(4)]
+    assert run(1, 4) == ["chain-1", "plain", "chain-2", "tree"]
     assert bandit.rate(0, "chain-2") == pytest.approx(60.0)
-    later = run(1, 4 * 16)
-    windows = [later[i] for i in range(0, len(later), 4)]
-    # best arm except one exploring window in 8 (round robin over the others)
-    assert windows.count("chain-2") == 14 and windows[7] != "chain-2"
-    assert windows[15] != "chain-2" and windows[15] != windows[7]
-    # another batch-size bucket starts over; its window closes on the next choice
-    assert run(16, 4) == ["plain"] * 4
-    bandit.choose(16)
-    assert bandit.summary()["16"] == {"plain": pytest.approx(30.0)}
+    # chain-1 is 25% slower: re-measured on the 8 * (1 + 0.25 / 0.05) = 48th
+    # window; the tree (33% slower) on the 62nd
+    later = run(1, 70)
+    explored = {w + 1: a for w, a in enumerate(later) if a != "chain-2"}
+    assert explored == {48: "chain-1", 62: "tree"}, explored
+    assert bandit.best(0) == "chain-2"
+    # a new bucket starts from the nearest one's best (chain-2) and walks down
+    # to plain, never trying the tree there
+    assert run(64, 5) == ["chain-2", "chain-1", "plain", "plain", "plain"]
+    bandit.choose(64)
+    assert bandit.summary()["64"] == {"chain-2": pytest.approx(60.0),
+                                      "chain-1": pytest.approx(80.0), "plain": pytest.approx(100.0)}
     assert bandit.summary()["1"]["chain-2"] == pytest.approx(60.0)
