@@ -95,6 +95,11 @@ def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens)
                       "tau": round(c.tau, 4) if spec else 1.0,
                       "drafts": c.drafts, "draft_tokens": c.draft_tokens,
                       "accepted_tokens": c.accepted_tokens})
+        if spec and spec.get("goodput"):  # what the shape bandit measured in this bucket
+            g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+            key = str(1 << (bs.bit_length() - 1))
+            cells[-1]["bandit_tokens_per_s"] = g["arm_tokens_per_second"].get(key, {})
+            cells[-1]["bandit_windows"] = g["arm_windows"].get(key, {})
     del llm
     gc.collect()
     return cells

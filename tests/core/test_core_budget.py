@@ -269,6 +269,24 @@ def test_calibration_uses_the_drafted_path_values_and_skips_unknown_ones():
     assert "b" not in pl.request_factor
 
 
+def test_shape_bandit_chain_tokens_from_pooled_acceptance():
+    """Chain arms' tokens per request come from the greedy chains' per-depth
+    conditional acceptance, pooled: depth d counts the chains that drafted it
+    with d-1 accepted; unobserved depths lean on the depth above."""
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    bandit = ShapeBandit(max_depth=4)
+    assert bandit.chain_tokens(2) == pytest.approx(1 + 0.5 + 0.25)  # the 0.5 prior
+    bandit.observe_chain(drafted=[3, 3, 3, 3, 1], accepted=[0, 1, 3, 2, 1], decay=1.0)
+    q1 = (4 + 2 * 0.5) / (5 + 2)   # depth 1: 5 chains drafted it, 4 accepted it
+    q2 = (2 + 2 * q1) / (3 + 2)    # depth 2: 3 chains (3 deep, >= 1 accepted), 2 accepted
+    q3 = (1 + 2 * q2) / (2 + 2)    # depth 3: 2 chains, 1 accepted
+    q4 = (0 + 2 * q3) / (0 + 2)    # never drafted
+    assert bandit.chain_tokens(1) == pytest.approx(1 + q1)
+    assert bandit.chain_tokens(4) == pytest.approx(
+        1 + q1 + q1 * q2 + q1 * q2 * q3 + q1 * q2 * q3 * q4)
+
+
 def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     """Arms are held for a window (its first step not counted). A new bucket
     starts from the nearest measured bucket's best arm (chain-1 at first),
@@ -279,15 +297,22 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
 
     bandit = ShapeBandit(max_depth=2, window=4, explore_every=8)
     assert bandit.arms == ["plain", "chain-1", "chain-2", "tree"]
+    bandit.observe_chain(drafted=[2] * 4, accepted=[0, 1, 2, 2])
     speed = {1: {"plain": 30.0, "chain-1": 45.0, "chain-2": 60.0, "tree": 40.0},  # tokens/s
              64: {"plain": 100.0, "chain-1": 80.0, "chain-2": 60.0, "tree": 50.0}}
+
+    def tokens(batch, arm):  # per step
+        return batch * bandit.chain_tokens(int(arm[-1])) if arm.startswith("chain") else \
+            batch * (1 if arm == "plain" else 2.5)
 
     def run(batch, windows):
         chosen = []
         for _ in range(4 * windows):
             arm = bandit.choose(batch)
             chosen.append(arm)
-            bandit.observe(tokens=speed[batch][arm] * 0.1, seconds=0.1)
+            # a chain arm's own emitted tokens are ignored (noisy): give it 0
+            bandit.observe(tokens=0 if arm.startswith("chain") else tokens(batch, arm),
+                           seconds=tokens(batch, arm) / speed[batch][arm], requests=batch)
         assert all(chosen[w] == chosen[w - w % 4] for w in range(len(chosen)))
         return chosen[::4]
 
@@ -305,4 +330,5 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     bandit.choose(64)
     assert bandit.summary()["64"] == {"chain-2": pytest.approx(60.0),
                                       "chain-1": pytest.approx(80.0), "plain": pytest.approx(100.0)}
+    assert bandit.window_counts()["64"] == {"chain-2": 1, "chain-1": 1, "plain": 3}
     assert bandit.summary()["1"]["chain-2"] == pytest.approx(60.0)

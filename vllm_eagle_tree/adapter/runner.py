@@ -130,6 +130,8 @@ class TreeRunnerMixin:
         self.tree_bandit: ShapeBandit | None = None      # likewise
         self._step_clock: float | None = None  # start of the current engine step
         self._step_emitted = 0                 # tokens the current step emitted
+        self._step_requests = 0                # requests it sampled for
+        self._draft_arm: str | None = None     # the bandit arm of the drafts being verified
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
                            "accepted_per_depth": [0] * self.eagle2.tree.max_depth,
                            "drafted_per_depth": [0] * self.eagle2.tree.max_depth}
@@ -183,7 +185,8 @@ class TreeRunnerMixin:
         if self.tree_bandit is not None:  # the previous engine step, measured whole
             now = time.perf_counter()
             if self._step_clock is not None and self._step_emitted > 0:
-                self.tree_bandit.observe(self._step_emitted, now - self._step_clock)
+                self.tree_bandit.observe(self._step_emitted, now - self._step_clock,
+                                         self._step_requests)
             self._step_clock, self._step_emitted = now, 0
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
@@ -268,7 +271,7 @@ class TreeRunnerMixin:
 
     # ------------------------------------------ 4. verification, compaction
     def _sample(self, logits, spec_decode_metadata):
-        self._step_emitted = self.input_batch.num_reqs  # + accepted drafts, below
+        self._step_emitted = self._step_requests = self.input_batch.num_reqs  # + accepted, below
         if spec_decode_metadata is None:  # no drafts anywhere: vLLM's sampler, as vanilla
             return super()._sample(logits, None)
         # vLLM's RejectionSampler never runs on eagle2 steps: tree rows are
@@ -341,6 +344,9 @@ class TreeRunnerMixin:
             cpu_compact_kv(self._tree_kv_caches, bt, tree.context_len[move],
                            res.num_accepted[move], res.accepted_nodes[move])
         self._record_tree_stats(tree, res)
+        if self._draft_arm is not None and self._draft_arm.startswith("chain-"):
+            # the head's greedy chains: what every chain arm's tokens are estimated from
+            self.tree_bandit.observe_chain([len(p) - 1 for p, _ in step.trees], num_acc)
         if self.tree_planner is not None:
             self.tree_planner.observe_acceptance(tree, res.num_accepted, res.accepted_nodes,
                                                  req_ids=step.req_ids)
@@ -395,6 +401,7 @@ class TreeRunnerMixin:
             arm = self.tree_bandit.choose(sum(
                 1 for r in self.input_batch.req_ids[:num_reqs]
                 if scheduler_output.num_scheduled_tokens.get(r, 0) > 0))
+        self._draft_arm = arm
         skip = arm == "plain"
         reqs: list[FirstPassRows] = []
         held: list[tuple[str, PendingRows, int, list[int], torch.Tensor]] = []

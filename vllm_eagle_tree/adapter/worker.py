@@ -54,6 +54,7 @@ class TreeCPUWorker(CPUWorker):
                 "tree_step_overhead_seconds": planner.tree_overhead,
                 "acceptance_by_depth_and_value": planner.calibration.table(),
                 "arm_tokens_per_second": self.model_runner.tree_bandit.summary(),
+                "arm_windows": self.model_runner.tree_bandit.window_counts(),
                 "arm": self.model_runner.tree_bandit.current,
                 "last_plan": None if plan is None else vars(plan).copy(),
             }

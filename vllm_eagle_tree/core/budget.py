@@ -363,10 +363,16 @@ class ShapeBandit:
 
     Measure, don't guess: each arm's rate is emitted tokens per second of
     whole engine steps (drafting, verification, scheduling and everything
-    else a prediction would miss), as EMAs per batch-size bucket (powers of
-    two), since what pays at batch 1 does not at batch 64. An arm is kept for
-    ``window`` steps (the first step of a window is not counted: it carries
-    the previous arm's drafts).
+    else a prediction would miss), from EMAs per batch-size bucket (powers
+    of two) of seconds, requests and tokens per step, since what pays at
+    batch 1 does not at batch 64. An arm is kept for ``window`` steps (the
+    first step of a window is not counted: it carries the previous arm's
+    drafts). A chain arm's tokens per request are not taken from its few
+    steps (1 to K+1 tokens each: too noisy to rank arms on) but from the
+    head's acceptance along its greedy chain, pooled over every verified
+    chain of every bucket (acceptance does not depend on the batch size):
+    ``1 + sum_d prod_{j <= d} q_j`` with ``q_j`` = P(depth j accepted | depth
+    j-1 accepted) (:meth:`observe_chain`).
 
     Exploring costs throughput, so it is a local search over the arms in
     order of how much they speculate (plain < chain-1 < ... < chain-D <
@@ -388,20 +394,46 @@ class ShapeBandit:
         self.window = window
         self.explore_every = explore_every
         self.decay = decay
-        self.stats: dict[int, dict[str, list[float]]] = {}  # bucket -> arm -> [tok, sec, windows]
+        # bucket -> arm -> [tokens, seconds, windows, requests] (per-step EMAs)
+        self.stats: dict[int, dict[str, list[float]]] = {}
         self._waited: dict[int, dict[str, int]] = {}  # bucket -> neighbour -> windows since measured
+        self.reached = [0.0] * max_depth   # chains whose depth d was verified, d-1 accepted
+        self.accepted = [0.0] * max_depth  # ... and depth d accepted too
         self.current = "chain-1"
         self._left = 0
         self._bucket = 0
-        self._acc = [0.0, 0.0, 0]  # this window: tokens, seconds, counted steps
+        self._acc = [0.0, 0.0, 0, 0.0]  # this window: tokens, seconds, counted steps, requests
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return max(int(batch_size), 1).bit_length() - 1
 
+    def observe_chain(self, drafted: list[int], accepted: list[int], decay: float = 0.99) -> None:
+        """One verify step's greedy chains: drafted length and accepted count per request."""
+        self.reached = [decay * x for x in self.reached]
+        self.accepted = [decay * x for x in self.accepted]
+        for k, n in zip(drafted, accepted):
+            for d in range(min(n + 1, k, len(self.reached))):  # depth d+1 was reached
+                self.reached[d] += 1.0
+                self.accepted[d] += float(n > d)
+
+    def chain_tokens(self, k: int) -> float:
+        """Expected tokens a request emits per step on chain-k (accepted + bonus).
+        Unobserved depths lean on the depth above (2 pseudo-observations)."""
+        total, alive, q = 1.0, 1.0, 0.5
+        for d in range(k):
+            q = (self.accepted[d] + 2.0 * q) / (self.reached[d] + 2.0)
+            alive *= q
+            total += alive
+        return total
+
     def rate(self, bucket: int, arm: str) -> float | None:
         st = self.stats.get(bucket, {}).get(arm)
-        return None if st is None or st[1] <= 0 else st[0] / st[1]
+        if st is None or st[1] <= 0:
+            return None
+        if arm.startswith("chain-"):
+            return st[3] * self.chain_tokens(int(arm.split("-")[1])) / st[1]
+        return st[0] / st[1]
 
     def best(self, bucket: int) -> str | None:
         """The bucket's fastest measured arm (None: nothing measured)."""
@@ -445,32 +477,41 @@ class ShapeBandit:
         self._bucket = b
         self.current = self._pick(b)
         self._left = self.window - 1
-        self._acc = [0.0, 0.0, -1]  # -1: skip the window's first observation
+        self._acc = [0.0, 0.0, -1, 0.0]  # -1: skip the window's first observation
         return self.current
 
-    def observe(self, tokens: float, seconds: float) -> None:
-        """One finished engine step under the current arm: emitted tokens and
-        wall seconds."""
+    def observe(self, tokens: float, seconds: float, requests: float | None = None) -> None:
+        """One finished engine step under the current arm: emitted tokens, wall
+        seconds and requests that decoded (default: ``tokens``)."""
         if self._acc[2] < 0:
             self._acc[2] = 0
             return
         self._acc[0] += tokens
         self._acc[1] += seconds
         self._acc[2] += 1
+        self._acc[3] += tokens if requests is None else requests
 
     def _close_window(self) -> None:
-        tok, sec, n = self._acc
+        tok, sec, n, req = self._acc
         if n <= 0 or sec <= 0:
             return
         st = self.stats.setdefault(self._bucket, {}).get(self.current)
         if st is None:
-            self.stats[self._bucket][self.current] = [tok / n, sec / n, 1]
+            self.stats[self._bucket][self.current] = [tok / n, sec / n, 1, req / n]
         else:
-            st[0] = self.decay * st[0] + (1 - self.decay) * tok / n
-            st[1] = self.decay * st[1] + (1 - self.decay) * sec / n
+            a = self.decay
+            st[0] = a * st[0] + (1 - a) * tok / n
+            st[1] = a * st[1] + (1 - a) * sec / n
             st[2] += 1
-        self._acc = [0.0, 0.0, 0]
+            st[3] = a * st[3] + (1 - a) * req / n
+        self._acc = [0.0, 0.0, 0, 0.0]
 
     def summary(self) -> dict:
-        return {str(1 << b): {a: round(st[0] / st[1], 2) for a, st in arms.items() if st[1] > 0}
+        """Measured tokens/s per batch-size bucket (its smallest batch size) and arm."""
+        return {str(1 << b): {a: round(self.rate(b, a), 2) for a, st in arms.items() if st[1] > 0}
+                for b, arms in self.stats.items()}
+
+    def window_counts(self) -> dict:
+        """Measured windows per batch-size bucket and arm (how often each ran)."""
+        return {str(1 << b): {a: int(st[2]) for a, st in arms.items()}
                 for b, arms in self.stats.items()}
