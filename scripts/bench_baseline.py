@@ -6,7 +6,10 @@ target from scripts/make_deep_target.py) and each method (vanilla; `eagle`
 and `eagle3` chains with K = 1..6; `eagle2` / `eagle2-eagle3`: this plugin's
 trees over the EAGLE-1 / EAGLE-3 head, one row per --trees entry
 N x depth x top-k), one in-process vLLM engine generates
-greedy completions of held-out prompts at batch sizes 1, 4, 16 and 64.
+greedy completions of held-out prompts at batch sizes 1, 4, 16 and 64: by
+default with continuous batching at that concurrency (at most BATCH requests
+running, a finished one replaced at once, as in a server; ``--synchronized``:
+rounds of BATCH requests that each wait for their slowest request).
 Reported per cell: generated tokens/s (wall clock) and tau, the mean number
 of tokens emitted per target forward (accepted draft tokens + 1).
 
@@ -68,7 +71,13 @@ def speculative_config(method, k):
     return {"method": method, "model": str(assets.HEADS[method]), "num_speculative_tokens": k}
 
 
-def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens):
+def _scheduler(llm):
+    """The in-process engine's scheduler (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens,
+               synchronized=False):
     from vllm import LLM, SamplingParams
 
     from vllm_eagle_tree.metrics import spec_counters
@@ -81,13 +90,25 @@ def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     cells = []
     for bs in batch_sizes:
-        # At least `reps_tokens` generated tokens per cell: small batches repeat.
-        rounds = max(1, -(-reps_tokens // (bs * max_tokens)))
         before, n_tok, t = spec_counters(llm), 0, time.perf_counter()
-        for r in range(rounds):
-            batch = [prompts[(r * bs + i) % len(prompts)] for i in range(bs)]
-            outs = llm.generate(batch, params, use_tqdm=False)
-            n_tok += sum(len(o.outputs[0].token_ids) for o in outs)
+        if synchronized:
+            # rounds of `bs` requests, each round waiting for its slowest request
+            rounds = max(1, -(-reps_tokens // (bs * max_tokens)))
+            for r in range(rounds):
+                batch = [prompts[(r * bs + i) % len(prompts)] for i in range(bs)]
+                outs = llm.generate(batch, params, use_tqdm=False)
+                n_tok += sum(len(o.outputs[0].token_ids) for o in outs)
+        else:
+            # continuous batching at concurrency `bs`: one call, at most `bs`
+            # requests running (vLLM's max_num_active_seqs admission limit), a
+            # finished request's slot refilled at once; 4 x bs requests or
+            # `reps_tokens` tokens, whichever is more
+            n_req = max(4 * bs, -(-reps_tokens // max_tokens))
+            _scheduler(llm).max_num_active_reqs = bs
+            outs = llm.generate([prompts[i % len(prompts)] for i in range(n_req)], params,
+                                use_tqdm=False)
+            _scheduler(llm).max_num_active_reqs = max(batch_sizes)
+            n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
         dt = time.perf_counter() - t
         c = spec_counters(llm) - before
         cells.append({"batch_size": bs, "tokens": n_tok, "seconds": round(dt, 3),
@@ -105,6 +126,26 @@ def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens)
     return cells
 
 
+def mean_cells(repeats):
+    """Per batch size, the repeats' mean tokens/s and tau (each repeat's kept in
+    ``tokens_per_s_each``)."""
+    out = []
+    for cells in zip(*repeats):
+        c = dict(cells[-1])
+        each = [x["tokens_per_s"] for x in cells]
+        c["tokens_per_s"] = round(sum(each) / len(each), 2)
+        c["tokens_per_s_each"] = each
+        c["tau"] = round(sum(x["tau"] for x in cells) / len(cells), 4)
+        out.append(c)
+    return out
+
+
+def _cell(c):
+    each = c.get("tokens_per_s_each")
+    spread = f" [{min(each):.0f}-{max(each):.0f}]" if each else ""
+    return f"{c['tokens_per_s']:.0f} ({c['tau']:.2f}){spread}"
+
+
 def markdown(results, batch_sizes):
     lines = []
     for cfg, rows in results["configs"].items():
@@ -113,8 +154,7 @@ def markdown(results, batch_sizes):
         lines.append("|---|---|" + "---|" * len(batch_sizes))
         for row in rows:
             cells = {c["batch_size"]: c for c in row["cells"]}
-            vals = [f"{cells[b]['tokens_per_s']:.0f} ({cells[b]['tau']:.2f})" if b in cells else "-"
-                    for b in batch_sizes]
+            vals = [_cell(cells[b]) if b in cells else "-" for b in batch_sizes]
             lines.append(f"| {row['method']} | {row['k'] or '-'} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
@@ -166,8 +206,14 @@ def main():
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--min-tokens-per-cell", type=int, default=256,
-                    help="small batches repeat until this many tokens are generated")
+    ap.add_argument("--min-tokens-per-cell", type=int, default=2048,
+                    help="generated tokens per cell, at least")
+    ap.add_argument("--synchronized", action="store_true",
+                    help="each cell as rounds of exactly BATCH requests, each round "
+                         "waiting for its slowest request (default: continuous batching "
+                         "at concurrency BATCH, as a server runs)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every row this many times, round robin; cells report the mean")
     ap.add_argument("--quick", action="store_true", help="K in {1,3,6}, batch sizes {1,16}")
     ap.add_argument("--out", default=str(ROOT / "results" / "baseline.json"))
     args = ap.parse_args()
@@ -183,21 +229,28 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     specs = method_specs(args.methods, args.ks, args.trees)
     results = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens,
+               "repeats": args.repeats,
+               "cells": "synchronized rounds" if args.synchronized else "continuous batching",
                "batch_sizes": args.batch_sizes, "configs": {}}
-    total, done, t0 = len(args.configs) * len(specs), 0, time.time()
-    for cfg in args.configs:
-        rows = results["configs"].setdefault(cfg, [])
-        for method, k in specs:
-            cells = run_engine(targets[cfg], method, k, args.batch_sizes, args.max_tokens, prompts,
-                               args.min_tokens_per_cell)
-            rows.append({"method": method, "k": k, "cells": cells})
-            done += 1
-            summary = "  ".join(f"b{c['batch_size']}: {c['tokens_per_s']:.0f} tok/s tau {c['tau']:.2f}"
-                                for c in cells)
-            el = time.time() - t0
-            print(f"[{done}/{total}, {el / 60:.1f} min, eta {el / done * (total - done) / 60:.1f} min] "
-                  f"{cfg} {method} K={k}: {summary}", flush=True)
-            out.write_text(json.dumps(results, indent=1) + "\n")
+    total, done, t0 = args.repeats * len(args.configs) * len(specs), 0, time.time()
+    for rep in range(args.repeats):  # round robin: slow drifts of the machine hit every row
+        for cfg in args.configs:
+            rows = results["configs"].setdefault(cfg, [])
+            for j, (method, k) in enumerate(specs):
+                cells = run_engine(targets[cfg], method, k, args.batch_sizes, args.max_tokens,
+                                   prompts, args.min_tokens_per_cell, args.synchronized)
+                if rep == 0:
+                    rows.append({"method": method, "k": k, "cells": cells, "repeats": [cells]})
+                else:
+                    rows[j]["repeats"].append(cells)
+                    rows[j]["cells"] = mean_cells(rows[j]["repeats"])
+                done += 1
+                summary = "  ".join(f"b{c['batch_size']}: {c['tokens_per_s']:.0f} tok/s tau {c['tau']:.2f}"
+                                    for c in cells)
+                el = time.time() - t0
+                print(f"[{done}/{total}, {el / 60:.1f} min, eta {el / done * (total - done) / 60:.1f} min] "
+                      f"{cfg} {method} K={k} (repeat {rep + 1}): {summary}", flush=True)
+                out.write_text(json.dumps(results, indent=1) + "\n")
     png = out.with_suffix(".png")
     plot(results, args.batch_sizes, png)
     print(markdown(results, args.batch_sizes))

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""`vllm bench serve` against served models on loopback: vanilla, vLLM's chain, eagle2.
+"""`vllm bench serve` against served models on loopback: vanilla, vLLM's chain, eagle2
+with a fixed tree and eagle2 adaptive (``"goodput": true``).
 
 For each method, starts `vllm serve` on 127.0.0.1 with the target (default:
 the cost-realistic deep target), waits until it is healthy, runs vLLM's own
@@ -60,6 +61,10 @@ def specs(head: str, k: int, tree: str) -> dict[str, dict | None]:
         f"chain {head} K={k}": {"method": head, "model": model, "num_speculative_tokens": k},
         f"eagle2 {tree}": {"method": "eagle2", "model": model, "num_nodes": n, "max_depth": d,
                            "top_k": top_k},
+        f"eagle2 {tree} adaptive": {"method": "eagle2", "model": model, "num_nodes": n,
+                                    "max_depth": d, "top_k": top_k, "adaptive": True,
+                                    "goodput": True, "depth_threshold": 0.0, "width_mass": 1.0,
+                                    "min_path_prob": 0.0},
     }
 
 

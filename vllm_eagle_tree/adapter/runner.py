@@ -38,7 +38,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ..core import TreeBatch, verify
-from ..core.budget import GoodputPlanner, ShapeBandit
+from ..core.budget import GoodputPlanner, ShapeBandit, best_chains
 from .attention import TREE_METADATA_ATTR, TreeAttention
 from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
@@ -129,8 +129,9 @@ class TreeRunnerMixin:
         self.tree_planner: GoodputPlanner | None = None  # set once the KV cache exists
         self.tree_bandit: ShapeBandit | None = None      # likewise
         self._step_clock: float | None = None  # start of the current engine step
-        self._step_emitted = 0                 # tokens the current step emitted
-        self._step_requests = 0                # requests it sampled for
+        self._step_emitted = 0                 # tokens the current step's decodes emitted
+        self._step_requests = 0                # its decoding requests
+        self._step_prefill_rows = 0            # its prefill rows
         self._draft_arm: str | None = None     # the bandit arm of the drafts being verified
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
                            "accepted_per_depth": [0] * self.eagle2.tree.max_depth,
@@ -183,14 +184,28 @@ class TreeRunnerMixin:
     # ------------------------------------------------------- 1. positions
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self.tree_bandit is not None:  # the previous engine step, measured whole
+            # Prefill chunks land in steps at random (as requests arrive) and
+            # cost the same whatever the arm: their rows' share of the step
+            # (the verify-cost model's per-row cost) is taken out, and only
+            # decoding requests and the tokens they emit are counted.
             now = time.perf_counter()
             if self._step_clock is not None and self._step_emitted > 0:
-                self.tree_bandit.observe(self._step_emitted, now - self._step_clock,
+                seconds = now - self._step_clock
+                prefill = self.tree_planner.verify_cost.b * self._step_prefill_rows
+                self.tree_bandit.observe(self._step_emitted, max(seconds - prefill, 0.1 * seconds),
                                          self._step_requests)
             self._step_clock, self._step_emitted = now, 0
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
         spec = scheduler_output.scheduled_spec_decode_tokens
+        if self.tree_bandit is not None:
+            decoding = prefill_rows = 0
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                if n - len(spec.get(req_id, ())) == 1:
+                    decoding += 1
+                else:
+                    prefill_rows += n
+            self._step_requests, self._step_prefill_rows = decoding, prefill_rows
         num_reqs = self.input_batch.num_reqs
         qsl = self.query_start_loc.np
         live = set(self.input_batch.req_ids[:num_reqs])
@@ -271,7 +286,7 @@ class TreeRunnerMixin:
 
     # ------------------------------------------ 4. verification, compaction
     def _sample(self, logits, spec_decode_metadata):
-        self._step_emitted = self._step_requests = self.input_batch.num_reqs  # + accepted, below
+        self._step_emitted = self._step_requests  # each decode's token; + accepted, below
         if spec_decode_metadata is None:  # no drafts anywhere: vLLM's sampler, as vanilla
             return super()._sample(logits, None)
         # vLLM's RejectionSampler never runs on eagle2 steps: tree rows are
@@ -347,6 +362,22 @@ class TreeRunnerMixin:
         if self._draft_arm is not None and self._draft_arm.startswith("chain-"):
             # the head's greedy chains: what every chain arm's tokens are estimated from
             self.tree_bandit.observe_chain([len(p) - 1 for p, _ in step.trees], num_acc)
+        elif self._draft_arm == "tree" and not bool(torch.isnan(tree.value).any()):
+            # the greedy chain inside each tree, so that chain estimates follow
+            # the text while the tree arm runs: its drafted length, and how
+            # much of it the accepted path covers (both are root paths)
+            on_chain = best_chains(tree)
+            req = tree.request_index.long()
+            drafted = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
+                0, req, on_chain.long()) - 1
+            hit = torch.zeros(tree.total, dtype=torch.bool)
+            cu = tree.cu_nodes.long()
+            for j, n in enumerate(num_acc):
+                if n:
+                    hit[cu[j] + res.accepted_nodes[j, :n].long()] = True
+            covered = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
+                0, req, (hit & on_chain).long())
+            self.tree_bandit.observe_chain(drafted.tolist(), covered.tolist())
         if self.tree_planner is not None:
             self.tree_planner.observe_acceptance(tree, res.num_accepted, res.accepted_nodes,
                                                  req_ids=step.req_ids)
