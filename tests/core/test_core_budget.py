@@ -269,6 +269,30 @@ def test_calibration_uses_the_drafted_path_values_and_skips_unknown_ones():
     assert "b" not in pl.request_factor
 
 
+def test_greedy_chain_acceptance_counts_the_chain_prefix_the_accepted_path_covers():
+    """Per request: the greedy chain's length inside the tree, and how many of
+    its nodes lie on the accepted path (a prefix of the chain)."""
+    from vllm_eagle_tree.core.budget import greedy_chain_acceptance
+
+    # request 0: greedy chain 0-1-3-5 (values); request 1: 0-2-3 (2 beats 1);
+    # request 2: a lone root
+    tree = TreeBatch.from_parents(
+        [[-1, 0, 0, 1, 2, 3], [-1, 0, 0, 2], [-1]],
+        [[9, 1, 2, 3, 4, 5], [9, 1, 2, 3], [9]],
+        values=[[0, -0.1, -0.5, -0.3, -0.6, -0.4], [0, -0.9, -0.2, -0.4], [0]])
+    cases = [  # (accepted paths, covered)
+        ([[1, 3, 5], [2, 3], []], [3, 2, 0]),   # the whole chains
+        ([[1, 3], [1], []], [2, 0, 0]),         # a prefix; a sibling branch
+        ([[2, 4], [], []], [0, 0, 0]),          # off the chain from depth 1
+    ]
+    for paths, covered in cases:
+        num = torch.tensor([len(p) for p in paths])
+        nodes = torch.full((3, 3), -1, dtype=torch.long)
+        for b, p in enumerate(paths):
+            nodes[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+        assert greedy_chain_acceptance(tree, num, nodes) == ([3, 2, 0], covered)
+
+
 def test_shape_bandit_chain_tokens_from_pooled_acceptance():
     """Chain arms' tokens per request come from the greedy chains' per-depth
     conditional acceptance, pooled: depth d counts the chains that drafted it
@@ -299,6 +323,7 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     assert bandit.arms == ["plain", "chain-1", "chain-2", "tree"]
     bandit.observe_chain(drafted=[2] * 4, accepted=[0, 1, 2, 2])
     speed = {1: {"plain": 30.0, "chain-1": 45.0, "chain-2": 60.0, "tree": 40.0},  # tokens/s
+             16: {"plain": 104.0, "chain-1": 95.0, "chain-2": 97.0, "tree": 50.0},
              64: {"plain": 100.0, "chain-1": 80.0, "chain-2": 60.0, "tree": 50.0}}
 
     def tokens(batch, arm):  # per step
@@ -324,11 +349,20 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     explored = {w + 1: a for w, a in enumerate(later) if a != "chain-2"}
     assert explored == {48: "chain-1", 62: "tree"}, explored
     assert bandit.best(0) == "chain-2"
-    # a new bucket starts from the nearest one's best (chain-2) and walks down
-    # to plain, never trying the tree there
-    assert run(64, 5) == ["chain-2", "chain-1", "plain", "plain", "plain"]
-    bandit.choose(64)
-    assert bandit.summary()["64"] == {"chain-2": pytest.approx(60.0),
-                                      "chain-1": pytest.approx(80.0), "plain": pytest.approx(100.0)}
-    assert bandit.window_counts()["64"] == {"chain-2": 1, "chain-1": 1, "plain": 3}
+    # a new bucket starts from the nearest one's best (chain-2) and walks
+    # down; chain-1 is within 5% of chain-2 (noise, not a slope), so the
+    # search goes on to plain, the fastest; the tree is never tried there
+    assert run(16, 5) == ["chain-2", "chain-1", "plain", "plain", "plain"]
+    bandit.choose(16)
+    assert bandit.summary()["16"] == {"chain-2": pytest.approx(97.0),
+                                      "chain-1": pytest.approx(95.0), "plain": pytest.approx(104.0)}
+    assert bandit.window_counts()["16"] == {"chain-2": 1, "chain-1": 1, "plain": 3}
+    # batch 64 starts from the nearest bucket's best (plain, at 16): it only
+    # measures plain's neighbour
+    assert run(64, 4) == ["plain", "chain-1", "plain", "plain"]
+    # a batch drifting around 64 (requests finishing, replaced) stays in its
+    # bucket: windows are not cut short
+    assert [bandit._sticky_bucket(n) for n in (63, 64, 50, 40, 91, 100)] == [6, 6, 6, 6, 6, 6]
+    assert bandit._sticky_bucket(38) == 5 and bandit._sticky_bucket(108) == 7
+    assert [ShapeBandit.bucket(n) for n in (1, 2, 3, 5, 6, 45, 46)] == [0, 1, 2, 2, 3, 5, 6]
     assert bandit.summary()["1"]["chain-2"] == pytest.approx(60.0)

@@ -38,7 +38,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ..core import TreeBatch, verify
-from ..core.budget import GoodputPlanner, ShapeBandit, best_chains
+from ..core.budget import GoodputPlanner, ShapeBandit, greedy_chain_acceptance
 from .attention import TREE_METADATA_ATTR, TreeAttention
 from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
@@ -366,18 +366,8 @@ class TreeRunnerMixin:
             # the greedy chain inside each tree, so that chain estimates follow
             # the text while the tree arm runs: its drafted length, and how
             # much of it the accepted path covers (both are root paths)
-            on_chain = best_chains(tree)
-            req = tree.request_index.long()
-            drafted = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
-                0, req, on_chain.long()) - 1
-            hit = torch.zeros(tree.total, dtype=torch.bool)
-            cu = tree.cu_nodes.long()
-            for j, n in enumerate(num_acc):
-                if n:
-                    hit[cu[j] + res.accepted_nodes[j, :n].long()] = True
-            covered = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
-                0, req, (hit & on_chain).long())
-            self.tree_bandit.observe_chain(drafted.tolist(), covered.tolist())
+            self.tree_bandit.observe_chain(
+                *greedy_chain_acceptance(tree, res.num_accepted, res.accepted_nodes))
         if self.tree_planner is not None:
             self.tree_planner.observe_acceptance(tree, res.num_accepted, res.accepted_nodes,
                                                  req_ids=step.req_ids)

@@ -32,7 +32,7 @@ import torch
 from .tree import TreeBatch
 
 __all__ = ["LinearCost", "ValueCalibration", "BudgetPlan", "plan_budget", "prune_to_top",
-           "best_chains", "GoodputPlanner", "ShapeBandit"]
+           "best_chains", "greedy_chain_acceptance", "GoodputPlanner", "ShapeBandit"]
 
 
 @dataclass
@@ -182,6 +182,27 @@ def best_chains(tree: TreeBatch) -> torch.Tensor:
     for _ in range(int(tree.depth.max()) if total else 0):
         on_chain = on_chain | (is_best & on_chain[gp.clamp(min=0)])
     return on_chain
+
+
+def greedy_chain_acceptance(tree: TreeBatch, num_accepted: torch.Tensor,
+                            accepted_nodes: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Per request of a verified batch: how long the head's greedy chain
+    inside its tree is (:func:`best_chains`, root excluded) and how many of
+    its nodes the accepted path covers (both are root paths, so the covered
+    nodes are the chain's first ones). ``accepted_nodes`` [B, >= max
+    accepted]: request-local indices, as ``core.verify`` returns them."""
+    on_chain = best_chains(tree)
+    req = tree.request_index.long()
+    drafted = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
+        0, req, on_chain.long()) - 1
+    hit = torch.zeros(tree.total, dtype=torch.bool)
+    cu = tree.cu_nodes.long()
+    for b, n in enumerate(num_accepted.reshape(-1).tolist()):
+        if n:
+            hit[cu[b] + accepted_nodes[b, :n].long()] = True
+    covered = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
+        0, req, (hit & on_chain).long())
+    return drafted.tolist(), covered.tolist()
 
 
 def prune_to_top(tree: TreeBatch, keep: int,
@@ -363,9 +384,9 @@ class ShapeBandit:
 
     Measure, don't guess: each arm's rate is emitted tokens per second of
     whole engine steps (drafting, verification, scheduling and everything
-    else a prediction would miss), from EMAs per batch-size bucket (powers
-    of two) of seconds, requests and tokens per step, since what pays at
-    batch 1 does not at batch 64. An arm is kept for ``window`` steps (the
+    else a prediction would miss), from EMAs per batch-size bucket (nearest
+    power of two, with hysteresis) of seconds, requests and tokens per
+    step, since what pays at batch 1 does not at batch 64. An arm is kept for ``window`` steps (the
     first step of a window is not counted: it carries the previous arm's
     drafts). A chain arm's tokens per request are not taken from its few
     steps (1 to K+1 tokens each: too noisy to rank arms on) but from the
@@ -381,7 +402,9 @@ class ShapeBandit:
     * a bucket not measured yet starts from the best arm of the nearest
       measured bucket (else chain-1);
     * while a neighbour of the bucket's best arm is unmeasured, it is tried
-      (so the search walks uphill and stops at a peak);
+      (so the search walks uphill and stops at a peak), and so is the next
+      arm past a neighbour measured within ``margin`` (5%) of the best (a
+      difference that small may be noise, not a slope);
     * then the best arm is kept, and a neighbour is re-measured once its
       turn comes: after ``explore_every`` windows, times ``1 + gap / 0.05``
       where ``gap`` is how much slower it was measured (a neighbour 20%
@@ -389,12 +412,14 @@ class ShapeBandit:
     """
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
-                 decay: float = 0.7):
+                 decay: float = 0.7, margin: float = 0.05):
         self.arms = ["plain"] + [f"chain-{k}" for k in range(1, max_depth + 1)] + ["tree"]
         self.window = window
         self.explore_every = explore_every
         self.decay = decay
-        # bucket -> arm -> [tokens, seconds, windows, requests] (per-step EMAs)
+        self.margin = margin
+        # bucket -> arm -> [tokens, seconds, windows, requests] (per-step EMAs;
+        # windows: a count)
         self.stats: dict[int, dict[str, list[float]]] = {}
         self._waited: dict[int, dict[str, int]] = {}  # bucket -> neighbour -> windows since measured
         self.reached = [0.0] * max_depth   # chains whose depth d was verified, d-1 accepted
@@ -406,7 +431,15 @@ class ShapeBandit:
 
     @staticmethod
     def bucket(batch_size: int) -> int:
-        return max(int(batch_size), 1).bit_length() - 1
+        """The nearest power of two's exponent (batch 45..90 -> 6, i.e. "64")."""
+        return round(math.log2(max(int(batch_size), 1)))
+
+    def _sticky_bucket(self, batch_size: int) -> int:
+        """:meth:`bucket`, with hysteresis: a batch that drifts around a bucket
+        boundary (requests finishing and being replaced) stays in the current
+        bucket until it is 0.75 octaves away from it."""
+        x = math.log2(max(int(batch_size), 1))
+        return self._bucket if abs(x - self._bucket) < 0.75 else round(x)
 
     def observe_chain(self, drafted: list[int], accepted: list[int], decay: float = 0.99) -> None:
         """One verify step's greedy chains: drafted length and accepted count per request."""
@@ -428,6 +461,7 @@ class ShapeBandit:
         return total
 
     def rate(self, bucket: int, arm: str) -> float | None:
+        """Emitted tokens per second of ``arm`` in ``bucket`` (None: not measured)."""
         st = self.stats.get(bucket, {}).get(arm)
         if st is None or st[1] <= 0:
             return None
@@ -451,9 +485,15 @@ class ShapeBandit:
             return self._seed(b)
         i = self.arms.index(best)
         neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
-        for n in neighbours:
-            if self.rate(b, n) is None:
-                return n
+        for step in (-1, 1):  # walk on past arms within `margin` of the best (noise)
+            j = i + step
+            while 0 <= j < len(self.arms):
+                r = self.rate(b, self.arms[j])
+                if r is None:
+                    return self.arms[j]
+                if r < (1.0 - self.margin) * self.rate(b, best):
+                    break
+                j += step
         waited = self._waited.setdefault(b, {})
         due = []
         for n in neighbours:
@@ -469,7 +509,7 @@ class ShapeBandit:
 
     def choose(self, batch_size: int) -> str:
         """The arm for this step's drafts."""
-        b = self.bucket(batch_size)
+        b = self._sticky_bucket(batch_size)
         if self._left > 0 and b == self._bucket:
             self._left -= 1
             return self.current
@@ -481,8 +521,9 @@ class ShapeBandit:
         return self.current
 
     def observe(self, tokens: float, seconds: float, requests: float | None = None) -> None:
-        """One finished engine step under the current arm: emitted tokens, wall
-        seconds and requests that decoded (default: ``tokens``)."""
+        """One finished engine step under the current arm: tokens its decodes
+        emitted, seconds (prefill's share taken out by the caller) and
+        decoding requests (default: ``tokens``)."""
         if self._acc[2] < 0:
             self._acc[2] = 0
             return
@@ -507,7 +548,7 @@ class ShapeBandit:
         self._acc = [0.0, 0.0, 0, 0.0]
 
     def summary(self) -> dict:
-        """Measured tokens/s per batch-size bucket (its smallest batch size) and arm."""
+        """Measured tokens/s per batch-size bucket (its power of two) and arm."""
         return {str(1 << b): {a: round(self.rate(b, a), 2) for a, st in arms.items() if st[1] > 0}
                 for b, arms in self.stats.items()}
 
