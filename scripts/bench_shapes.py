@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""One eagle2 adaptive engine with the shape bandit forced to one shape, to
+compare shapes with vanilla and vLLM's chain outside the bandit's choices.
+
+    .venv/bin/python scripts/bench_shapes.py --shape plain --batch 64 --requests 128
+    .venv/bin/python scripts/bench_shapes.py --shape chain-3 --batch 1 --requests 8
+    .venv/bin/python scripts/bench_shapes.py --shape vanilla --batch 64 --requests 128
+    .venv/bin/python scripts/bench_shapes.py --shape vllm-chain-2 --batch 64 --requests 128
+
+Deep target, EAGLE-3 head, greedy, 64 tokens per request, continuous
+batching at concurrency --batch (as scripts/bench_baseline.py). ``--shape
+free`` leaves the bandit alone. Prints tokens/s and, for eagle2, the
+bandit's measured rates per bucket and shape (a forced shape is still
+measured, so its measured rate can be held against the real one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def main():
+    from vllm import LLM, SamplingParams
+
+    from bench_baseline import _scheduler, speculative_config
+    from make_deep_target import build
+    from vllm_eagle_tree import assets
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", required=True,
+                    help="plain, chain-K, tree, free (eagle2 8x4x2 adaptive), vanilla, vllm-chain-K")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=128)
+    args = ap.parse_args()
+
+    if args.shape == "vanilla":
+        spec = None
+    elif args.shape.startswith("vllm-chain-"):
+        spec = speculative_config("eagle3", int(args.shape.rsplit("-", 1)[1]))
+    else:
+        spec = speculative_config("eagle2-eagle3", "8x4x2g")
+    target = build(assets.DEEP_TARGET, extra_layers=60)
+    prompts = assets.heldout_prompts()
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
+              max_model_len=1024, disable_log_stats=False, seed=0, max_num_seqs=64)
+    bandit = None
+    if spec is not None and spec["method"] == "eagle2":
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        bandit = runner.tree_bandit
+        if args.shape != "free":
+            if args.shape not in bandit.arms:
+                raise SystemExit(f"--shape must be one of {bandit.arms}, free, vanilla, vllm-chain-K")
+            bandit._pick = lambda bucket: args.shape  # windows still measured
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    _scheduler(llm).max_num_active_reqs = args.batch
+    t = time.perf_counter()
+    outs = llm.generate([prompts[i % len(prompts)] for i in range(args.requests)], params,
+                        use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"{args.shape} batch {args.batch}, {args.requests} requests: {n / dt:.1f} tok/s")
+    if bandit is not None:
+        print("bandit tokens/s:", json.dumps(bandit.summary()))
+        print("bandit windows:", json.dumps(bandit.window_counts()))
+
+
+if __name__ == "__main__":
+    main()
