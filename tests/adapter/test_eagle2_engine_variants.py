@@ -103,9 +103,10 @@ def test_goodput_budget_greedy_identical(vanilla_greedy_200):
         free_llm(llm)
     assert_same(got, vanilla_greedy_200[:64], "goodput")
     assert g["steps_timed"] > 8
-    # the shape bandit measured a few arms, in tokens per second
+    # the shape bandit measured its seed shape and at least one neighbour,
+    # in tokens per second
     arms = g["arm_tokens_per_second"]
-    assert sum(len(a) for a in arms.values()) >= 3, arms
+    assert max(len(a) for a in arms.values()) >= 2, arms
     assert all(r > 0 for a in arms.values() for r in a.values()) and g["arm"] in \
         ["plain", "chain-1", "chain-2", "chain-3", "chain-4", "chain-5", "tree"]
     assert g["verify_seconds_a"] >= 0 and g["verify_seconds_per_row"] >= 0
