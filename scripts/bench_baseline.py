@@ -117,8 +117,10 @@ def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens,
                       "drafts": c.drafts, "draft_tokens": c.draft_tokens,
                       "accepted_tokens": c.accepted_tokens})
         if spec and spec.get("goodput"):  # what the shape bandit measured in this bucket
+            from vllm_eagle_tree.core.budget import ShapeBandit
+
             g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
-            key = str(1 << (bs.bit_length() - 1))
+            key = str(1 << ShapeBandit.bucket(bs))
             cells[-1]["bandit_tokens_per_s"] = g["arm_tokens_per_second"].get(key, {})
             cells[-1]["bandit_windows"] = g["arm_windows"].get(key, {})
     del llm

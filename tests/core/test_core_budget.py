@@ -365,4 +365,7 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     assert [bandit._sticky_bucket(n) for n in (63, 64, 50, 40, 91, 100)] == [6, 6, 6, 6, 6, 6]
     assert bandit._sticky_bucket(38) == 5 and bandit._sticky_bucket(108) == 7
     assert [ShapeBandit.bucket(n) for n in (1, 2, 3, 5, 6, 45, 46)] == [0, 1, 2, 2, 3, 5, 6]
+    from vllm_eagle_tree.core.budget import chain_length
+    assert [chain_length(a) for a in ("chain-1", "chain-12", "plain", "tree", None)] == \
+        [1, 12, None, None, None]
     assert bandit.summary()["1"]["chain-2"] == pytest.approx(60.0)

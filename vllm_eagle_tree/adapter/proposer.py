@@ -30,6 +30,7 @@ import torch
 from vllm.forward_context import set_forward_context
 
 from ..core import TreeConfig, expand_tree
+from ..core.budget import chain_length
 from ..core.tree import pack_bits
 from .attention import TreeAttention, TreeOnlyMetadata
 
@@ -91,7 +92,7 @@ class PendingRows:
 
     def extend(self, features: torch.Tensor, next_tokens: list[int], slots: torch.Tensor):
         self._features.append(features)
-        self.next_tokens = self.next_tokens + next_tokens
+        self.next_tokens.extend(next_tokens)
         self._slots.append(slots)
 
     @property
@@ -220,6 +221,14 @@ class TreeDrafter:
         # R: committed tokens with KV once this step is done (the root drafts at R-1).
         commit = torch.tensor([reqs[i].context_len + sizes[i] for i in grow], dtype=torch.long)
         grow_bt = rows_bt[grow]
+        K = chain_length(arm)
+        if K is not None and self.chain_fast_path:
+            # the bandit's chain arm: the head's greedy chain of K tokens
+            parents, toks, vals = self._draft_chain(K, root_tokens, root_logprobs, root_hidden,
+                                                    commit, grow_bt)
+            for j, i in enumerate(grow):
+                out[i] = (parents, toks[j], vals[j])
+            return out
         state = {"hidden": root_hidden.unsqueeze(1)}  # [B, k_prev, H] of the last frontier
 
         def step_fn(frontier) -> torch.Tensor:
@@ -242,17 +251,9 @@ class TreeDrafter:
             state["hidden"] = nh.reshape(B, kk, -1)
             return self._logprobs(lh).reshape(B, kk, -1)
 
-        if arm is not None and arm.startswith("chain-") and self.chain_fast_path:
-            # the bandit's chain arm: the head's greedy chain of K tokens
-            parents, toks, vals = self._draft_chain(int(arm.split("-")[1]), root_tokens,
-                                                    root_logprobs, root_hidden, commit, grow_bt)
-            for j, i in enumerate(grow):
-                out[i] = (parents, toks[j], vals[j])
-            return out
         cfg = self.tree
-        chain = arm is not None and arm.startswith("chain-")
+        chain = K is not None
         if chain:  # the same chain through expand_tree (chain_fast_path off: tests)
-            K = int(arm.split("-")[1])
             cfg = replace(cfg, top_k=1, max_depth=K, num_nodes=K, batch_num_nodes=None,
                           depth_threshold=0.0, width_mass=1.0, min_path_prob=0.0)
         elif self.planner is not None:

@@ -38,7 +38,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ..core import TreeBatch, verify
-from ..core.budget import GoodputPlanner, ShapeBandit, greedy_chain_acceptance
+from ..core.budget import GoodputPlanner, ShapeBandit, chain_length, greedy_chain_acceptance
 from .attention import TREE_METADATA_ATTR, TreeAttention
 from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
@@ -359,7 +359,7 @@ class TreeRunnerMixin:
             cpu_compact_kv(self._tree_kv_caches, bt, tree.context_len[move],
                            res.num_accepted[move], res.accepted_nodes[move])
         self._record_tree_stats(tree, res)
-        if self._draft_arm is not None and self._draft_arm.startswith("chain-"):
+        if chain_length(self._draft_arm) is not None:
             # the head's greedy chains: what every chain arm's tokens are estimated from
             self.tree_bandit.observe_chain([len(p) - 1 for p, _ in step.trees], num_acc)
         elif self._draft_arm == "tree" and not bool(torch.isnan(tree.value).any()):

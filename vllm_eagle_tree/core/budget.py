@@ -32,7 +32,8 @@ import torch
 from .tree import TreeBatch
 
 __all__ = ["LinearCost", "ValueCalibration", "BudgetPlan", "plan_budget", "prune_to_top",
-           "best_chains", "greedy_chain_acceptance", "GoodputPlanner", "ShapeBandit"]
+           "best_chains", "greedy_chain_acceptance", "GoodputPlanner", "ShapeBandit",
+           "chain_length"]
 
 
 @dataclass
@@ -377,6 +378,11 @@ class GoodputPlanner:
         return max(1, min(max_depth, self.kept_depth + 1))
 
 
+def chain_length(arm: str | None) -> int | None:
+    """K of a :class:`ShapeBandit` arm "chain-K" (None: any other arm, or no arm)."""
+    return int(arm[len("chain-"):]) if arm is not None and arm.startswith("chain-") else None
+
+
 class ShapeBandit:
     """Chooses the drafting shape by measured goodput: "plain" (no drafts),
     "chain-K" (the head's greedy chain of K tokens) for K = 1..max_depth, or
@@ -465,8 +471,9 @@ class ShapeBandit:
         st = self.stats.get(bucket, {}).get(arm)
         if st is None or st[1] <= 0:
             return None
-        if arm.startswith("chain-"):
-            return st[3] * self.chain_tokens(int(arm.split("-")[1])) / st[1]
+        k = chain_length(arm)
+        if k is not None:
+            return st[3] * self.chain_tokens(k) / st[1]
         return st[0] / st[1]
 
     def best(self, bucket: int) -> str | None:
