@@ -53,7 +53,7 @@ def main():
     prompts = assets.heldout_prompts()
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
               max_model_len=1024, disable_log_stats=False, seed=0, max_num_seqs=64)
-    bandit = None
+    bandit = runner = None
     if spec is not None and spec["method"] == "eagle2":
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         bandit = runner.tree_bandit
@@ -73,6 +73,9 @@ def main():
     if bandit is not None:
         print("bandit tokens/s:", json.dumps(bandit.summary()))
         print("bandit windows:", json.dumps(bandit.window_counts()))
+        st = runner.tree_stats
+        print(f"drafted steps {st['steps']}, accepted per depth {st['accepted_per_depth']}, "
+              f"drafted per depth {st['drafted_per_depth']}")
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     assert bandit.arms == ["plain", "chain-1", "chain-2", "tree"]
     bandit.observe_chain(drafted=[2] * 4, accepted=[0, 1, 2, 2])
     speed = {1: {"plain": 30.0, "chain-1": 45.0, "chain-2": 60.0, "tree": 40.0},  # tokens/s
-             16: {"plain": 104.0, "chain-1": 95.0, "chain-2": 97.0, "tree": 50.0},
+             16: {"plain": 104.0, "chain-1": 96.0, "chain-2": 97.0, "tree": 50.0},
              64: {"plain": 100.0, "chain-1": 80.0, "chain-2": 60.0, "tree": 50.0}}
 
     def tokens(batch, arm):  # per step
@@ -350,12 +350,12 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     assert explored == {48: "chain-1", 62: "tree"}, explored
     assert bandit.best(0) == "chain-2"
     # a new bucket starts from the nearest one's best (chain-2) and walks
-    # down; chain-1 is within 5% of chain-2 (noise, not a slope), so the
+    # down; chain-1 is within 2% of chain-2 (noise, not a slope), so the
     # search goes on to plain, the fastest; the tree is never tried there
     assert run(16, 5) == ["chain-2", "chain-1", "plain", "plain", "plain"]
     bandit.choose(16)
     assert bandit.summary()["16"] == {"chain-2": pytest.approx(97.0),
-                                      "chain-1": pytest.approx(95.0), "plain": pytest.approx(104.0)}
+                                      "chain-1": pytest.approx(96.0), "plain": pytest.approx(104.0)}
     assert bandit.window_counts()["16"] == {"chain-2": 1, "chain-1": 1, "plain": 3}
     # batch 64 starts from the nearest bucket's best (plain, at 16): it only
     # measures plain's neighbour
@@ -369,3 +369,34 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     assert [chain_length(a) for a in ("chain-1", "chain-12", "plain", "tree", None)] == \
         [1, 12, None, None, None]
     assert bandit.summary()["1"]["chain-2"] == pytest.approx(60.0)
+
+
+def test_shape_bandit_counts_steps_without_prefill_rows():
+    """A window counts window - 1 steps without prefill rows (after its
+    first, uncounted step); steps carrying prefill rows are left out while
+    there are clean ones, and count (all of them) only in a window that had
+    none, which ends after 4 * window steps."""
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    bandit = ShapeBandit(max_depth=2, window=4)
+    assert bandit.choose(8) == "chain-1"
+    bandit.observe(tokens=99, seconds=9.0, requests=8)  # first step: not counted
+    steps = 1
+    # clean steps at 8 requests / 0.1 s, prefill steps at 8 requests / 1 s
+    for prefill in (True, False, True, True, False, False):
+        assert bandit.choose(8) == "chain-1"
+        steps += 1
+        bandit.observe(tokens=8, seconds=1.0 if prefill else 0.1, requests=8, prefill=prefill)
+    assert steps == 7
+    # 3 clean steps counted: the window closed; plain, the unmeasured neighbour, is next
+    assert bandit.choose(8) == "plain"
+    assert bandit.stats[3]["chain-1"] == [8.0, pytest.approx(0.1), 1, 8.0]
+    # a window of prefill steps only: 16 steps, all counted
+    arm = bandit.current
+    bandit.observe(tokens=1, seconds=1.0, requests=8)  # its first step
+    n = 1
+    while bandit.choose(8) == arm and n < 100:
+        n += 1
+        bandit.observe(tokens=8, seconds=0.5, requests=8, prefill=True)
+    assert n == 16
+    assert bandit.stats[3][arm] == [8.0, pytest.approx(0.5), 1, 8.0]

@@ -185,15 +185,16 @@ class TreeRunnerMixin:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self.tree_bandit is not None:  # the previous engine step, measured whole
             # Prefill chunks land in steps at random (as requests arrive) and
-            # cost the same whatever the arm: their rows' share of the step
-            # (the verify-cost model's per-row cost) is taken out, and only
+            # cost the same whatever the arm: the bandit counts steps without
+            # them while there are any; otherwise their rows' share of the
+            # step (the verify-cost model's per-row cost) is taken out. Only
             # decoding requests and the tokens they emit are counted.
             now = time.perf_counter()
             if self._step_clock is not None and self._step_emitted > 0:
                 seconds = now - self._step_clock
                 prefill = self.tree_planner.verify_cost.b * self._step_prefill_rows
                 self.tree_bandit.observe(self._step_emitted, max(seconds - prefill, 0.1 * seconds),
-                                         self._step_requests)
+                                         self._step_requests, prefill=self._step_prefill_rows > 0)
             self._step_clock, self._step_emitted = now, 0
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()

@@ -392,9 +392,17 @@ class ShapeBandit:
     whole engine steps (drafting, verification, scheduling and everything
     else a prediction would miss), from EMAs per batch-size bucket (nearest
     power of two, with hysteresis) of seconds, requests and tokens per
-    step, since what pays at batch 1 does not at batch 64. An arm is kept for ``window`` steps (the
-    first step of a window is not counted: it carries the previous arm's
-    drafts). A chain arm's tokens per request are not taken from its few
+    step, since what pays at batch 1 does not at batch 64. An arm is kept
+    for a window of ``window - 1`` counted steps, after one step that is not
+    counted (it verifies the previous arm's drafts). Only steps without
+    prefill rows are counted while there are any: prompts arrive in bursts
+    (a round of requests finishing together), cost the same whatever the
+    arm, and a step that carries one is several times slower than the
+    steps around it, which made the arm that happened to run then look
+    slow (and the arm whose prefill share was overestimated look fast). A
+    window with no such step (prompts in every step) ends after
+    ``4 * window`` steps and counts them all, with the prefill share the
+    caller took out. A chain arm's tokens per request are not taken from its few
     steps (1 to K+1 tokens each: too noisy to rank arms on) but from the
     head's acceptance along its greedy chain, pooled over every verified
     chain of every bucket (acceptance does not depend on the batch size):
@@ -409,8 +417,9 @@ class ShapeBandit:
       measured bucket (else chain-1);
     * while a neighbour of the bucket's best arm is unmeasured, it is tried
       (so the search walks uphill and stops at a peak), and so is the next
-      arm past a neighbour measured within ``margin`` (5%) of the best (a
-      difference that small may be noise, not a slope);
+      arm past a neighbour measured within ``margin`` (2%) of the best (a
+      difference that small may be noise, not a slope; a wider margin sent
+      the search through every arm at batch 16, where all were within 15%);
     * then the best arm is kept, and a neighbour is re-measured once its
       turn comes: after ``explore_every`` windows, times ``1 + gap / 0.05``
       where ``gap`` is how much slower it was measured (a neighbour 20%
@@ -418,7 +427,7 @@ class ShapeBandit:
     """
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
-                 decay: float = 0.7, margin: float = 0.05):
+                 decay: float = 0.7, margin: float = 0.02):
         self.arms = ["plain"] + [f"chain-{k}" for k in range(1, max_depth + 1)] + ["tree"]
         self.window = window
         self.explore_every = explore_every
@@ -431,9 +440,12 @@ class ShapeBandit:
         self.reached = [0.0] * max_depth   # chains whose depth d was verified, d-1 accepted
         self.accepted = [0.0] * max_depth  # ... and depth d accepted too
         self.current = "chain-1"
-        self._left = 0
-        self._bucket = 0
-        self._acc = [0.0, 0.0, 0, 0.0]  # this window: tokens, seconds, counted steps, requests
+        self._bucket = -1  # no window yet (every batch size is >= 0.75 octaves from it)
+        # this window: [tokens, seconds, counted steps, requests] of its steps
+        # without prefill rows ("clean") and of the others; and its steps so far
+        self._acc = {"clean": [0.0, 0.0, 0, 0.0], "prefill": [0.0, 0.0, 0, 0.0]}
+        self._steps = 0
+        self._skip = False
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -517,30 +529,35 @@ class ShapeBandit:
     def choose(self, batch_size: int) -> str:
         """The arm for this step's drafts."""
         b = self._sticky_bucket(batch_size)
-        if self._left > 0 and b == self._bucket:
-            self._left -= 1
+        if b == self._bucket and self._acc["clean"][2] < self.window - 1 \
+                and self._steps < 4 * self.window:
+            self._steps += 1
             return self.current
         self._close_window()
         self._bucket = b
         self.current = self._pick(b)
-        self._left = self.window - 1
-        self._acc = [0.0, 0.0, -1, 0.0]  # -1: skip the window's first observation
+        self._steps = 1
+        self._skip = True  # the window's first observation carries the previous arm's drafts
         return self.current
 
-    def observe(self, tokens: float, seconds: float, requests: float | None = None) -> None:
+    def observe(self, tokens: float, seconds: float, requests: float | None = None,
+                prefill: bool = False) -> None:
         """One finished engine step under the current arm: tokens its decodes
-        emitted, seconds (prefill's share taken out by the caller) and
-        decoding requests (default: ``tokens``)."""
-        if self._acc[2] < 0:
-            self._acc[2] = 0
+        emitted, seconds (prefill's share taken out by the caller), decoding
+        requests (default: ``tokens``) and whether it carried prefill rows."""
+        if self._skip:
+            self._skip = False
             return
-        self._acc[0] += tokens
-        self._acc[1] += seconds
-        self._acc[2] += 1
-        self._acc[3] += tokens if requests is None else requests
+        acc = self._acc["prefill" if prefill else "clean"]
+        acc[0] += tokens
+        acc[1] += seconds
+        acc[2] += 1
+        acc[3] += tokens if requests is None else requests
 
     def _close_window(self) -> None:
-        tok, sec, n, req = self._acc
+        clean = self._acc["clean"]
+        tok, sec, n, req = clean if clean[2] > 0 else self._acc["prefill"]
+        self._acc = {"clean": [0.0, 0.0, 0, 0.0], "prefill": [0.0, 0.0, 0, 0.0]}
         if n <= 0 or sec <= 0:
             return
         st = self.stats.setdefault(self._bucket, {}).get(self.current)
@@ -552,7 +569,6 @@ class ShapeBandit:
             st[1] = a * st[1] + (1 - a) * sec / n
             st[2] += 1
             st[3] = a * st[3] + (1 - a) * req / n
-        self._acc = [0.0, 0.0, 0, 0.0]
 
     def summary(self) -> dict:
         """Measured tokens/s per batch-size bucket (its power of two) and arm."""
