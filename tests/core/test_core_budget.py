@@ -400,3 +400,29 @@ def test_shape_bandit_counts_steps_without_prefill_rows():
         bandit.observe(tokens=8, seconds=0.5, requests=8, prefill=True)
     assert n == 16
     assert bandit.stats[3][arm] == [8.0, pytest.approx(0.5), 1, 8.0]
+
+
+def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
+    """best(): an arm that speculates more must beat the best arm that
+    speculates less by speculation_margin (5%)."""
+    from vllm_eagle_tree.core.budget import ShapeBandit, chain_length
+
+    bandit = ShapeBandit(max_depth=2)
+
+    def best(**rates):  # per-step stats giving these rates (a chain's: requests x chain_tokens)
+        bandit.stats = {0: {}}
+        for a, r in rates.items():
+            a = a.replace("_", "-")
+            k = chain_length(a)
+            bandit.stats[0][a] = [r, 1.0, 1, r if k is None else r / bandit.chain_tokens(k)]
+            assert bandit.rate(0, a) == pytest.approx(r)
+        return bandit.best(0)
+
+    assert best(plain=100.0, tree=120.0) == "tree"  # arms not measured are skipped
+    assert best(plain=100.0, chain_2=112.0, tree=117.0) == "chain-2"  # tree < 1.05 * 112
+    assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "plain"  # chain-2 < 1.05 * 100
+    assert best(plain=100.0, chain_1=104.0, chain_2=105.1) == "chain-2"
+    assert best(chain_1=50.0, chain_2=52.0) == "chain-1"
+    assert best() is None
+    bandit.speculation_margin = 0.0
+    assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "chain-2"
