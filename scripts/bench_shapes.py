@@ -6,6 +6,7 @@ compare shapes with vanilla and vLLM's chain outside the bandit's choices.
     .venv/bin/python scripts/bench_shapes.py --shape chain-3 --batch 1 --requests 8
     .venv/bin/python scripts/bench_shapes.py --shape vanilla --batch 64 --requests 128
     .venv/bin/python scripts/bench_shapes.py --shape vllm-chain-2 --batch 64 --requests 128
+    .venv/bin/python scripts/bench_shapes.py --shape chain-1 --batch 16 --requests 32 --step-log /tmp/s.json
 
 Deep target, EAGLE-3 head, greedy, 64 tokens per request, continuous
 batching at concurrency --batch (as scripts/bench_baseline.py). ``--shape
@@ -41,6 +42,9 @@ def main():
                     help="plain, chain-K, tree, free (eagle2 8x4x2 adaptive), vanilla, vllm-chain-K")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--step-log", metavar="JSON",
+                    help="eagle2 shapes: write every engine step (requests, query rows, prefill "
+                         "rows, seconds, emitted tokens) and print where the time went")
     args = ap.parse_args()
 
     if args.shape == "vanilla":
@@ -63,6 +67,9 @@ def main():
             bandit._pick = lambda bucket: args.shape  # windows still measured
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    steps = []
+    if args.step_log and runner is not None:
+        steps = log_steps(runner)
     _scheduler(llm).max_num_active_reqs = args.batch
     t = time.perf_counter()
     outs = llm.generate([prompts[i % len(prompts)] for i in range(args.requests)], params,
@@ -76,6 +83,41 @@ def main():
         st = runner.tree_stats
         print(f"drafted steps {st['steps']}, accepted per depth {st['accepted_per_depth']}, "
               f"drafted per depth {st['drafted_per_depth']}")
+    if steps:
+        Path(args.step_log).write_text(json.dumps(steps) + "\n")
+        full = [x for x in steps if x["requests"] >= 0.8 * args.batch]
+        parts = {"full batch, no prefill rows": [x for x in full if x["prefill_rows"] == 0],
+                 "full batch, prefill rows": [x for x in full if x["prefill_rows"] > 0],
+                 "below 80% of the batch": [x for x in steps if x["requests"] < 0.8 * args.batch]}
+        for name, xs in parts.items():
+            sec = sum(x["seconds"] for x in xs)
+            tok = sum(x["emitted"] for x in xs)
+            print(f"{name:28s}: {len(xs):4d} steps, {sec:6.2f} s, {tok:5d} tokens"
+                  + (f", {tok / sec:6.1f} tok/s" if sec > 0 else ""))
+
+
+def log_steps(runner) -> list[dict]:
+    """Times every engine step of ``runner`` (from one ``_prepare_inputs`` to
+    the next), on the instance only: a benchmark hook, like the tests' hooks."""
+    steps: list[dict] = []
+    cur: dict = {}
+    prepare = runner._prepare_inputs
+
+    def timed(scheduler_output, num_scheduled_tokens):
+        now = time.perf_counter()
+        if cur:
+            steps.append(dict(cur, seconds=now - cur.pop("t0"), emitted=runner._step_emitted))
+        out = prepare(scheduler_output, num_scheduled_tokens)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        n = scheduler_output.num_scheduled_tokens
+        cur.clear()
+        cur.update(t0=now, requests=len(n), rows=scheduler_output.total_num_scheduled_tokens,
+                   prefill_rows=sum(v for r, v in n.items() if v - len(spec.get(r, ())) != 1),
+                   arm=runner._draft_arm)
+        return out
+
+    runner._prepare_inputs = timed
+    return steps
 
 
 if __name__ == "__main__":
