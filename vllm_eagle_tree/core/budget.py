@@ -415,8 +415,9 @@ class ShapeBandit:
     prompts arrive one by one and a run ends with a drain at falling batch
     sizes. So an arm that speculates more is only preferred when it is
     ``speculation_margin`` (5%) faster than the best arm that speculates
-    less. (Measured with the shape forced, batch 16: chain-1's steps
-    without prefill were 13% faster than plain's, its whole run was not.)
+    less. (Measured with the shape forced, batch 16, ``scripts/bench_shapes.py
+    --step-log``: chain-1's full-batch steps without prefill were 9% faster
+    than plain's, its whole run was not.)
 
     Exploring costs throughput, so it is a local search over the arms in
     order of how much they speculate (plain < chain-1 < ... < chain-D <
@@ -504,7 +505,7 @@ class ShapeBandit:
         than the best one that speculates less (see the class docstring)."""
         best, best_rate = None, 0.0
         for a in self.arms:
-            r = self.rate(bucket, a) if a in self.stats.get(bucket, {}) else None
+            r = self.rate(bucket, a)
             if r is not None and (best is None or r > (1.0 + self.speculation_margin) * best_rate):
                 best, best_rate = a, r
         return best
