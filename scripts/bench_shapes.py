@@ -108,12 +108,10 @@ def log_steps(runner) -> list[dict]:
         if cur:
             steps.append(dict(cur, seconds=now - cur.pop("t0"), emitted=runner._step_emitted))
         out = prepare(scheduler_output, num_scheduled_tokens)
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        n = scheduler_output.num_scheduled_tokens
-        cur.clear()
-        cur.update(t0=now, requests=len(n), rows=scheduler_output.total_num_scheduled_tokens,
-                   prefill_rows=sum(v for r, v in n.items() if v - len(spec.get(r, ())) != 1),
-                   arm=runner._draft_arm)
+        cur.clear()  # the runner has just counted this step's prefill rows for its bandit
+        cur.update(t0=now, requests=len(scheduler_output.num_scheduled_tokens),
+                   rows=scheduler_output.total_num_scheduled_tokens,
+                   prefill_rows=runner._step_prefill_rows, arm=runner._draft_arm)
         return out
 
     runner._prepare_inputs = timed
