@@ -76,8 +76,25 @@ def _scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def request_params(n: int, max_tokens: int, spread: float = 0.0):
+    """Greedy SamplingParams for ``n`` requests, ``ignore_eos``: each generates
+    ``max_tokens`` tokens, or with ``spread`` > 0 a length drawn uniformly
+    from ``max_tokens * (1 +- spread)`` (seeded: every method gets the same
+    lengths), as a server's requests differ in length."""
+    import random
+
+    from vllm import SamplingParams
+
+    if spread <= 0:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    lo, hi = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
+    rng = random.Random(0)
+    return [SamplingParams(temperature=0.0, max_tokens=rng.randint(lo, hi), ignore_eos=True)
+            for _ in range(n)]
+
+
 def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens,
-               synchronized=False):
+               synchronized=False, spread=0.0):
     from vllm import LLM, SamplingParams
 
     from vllm_eagle_tree.metrics import spec_counters
@@ -86,7 +103,6 @@ def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens,
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
               max_model_len=1024, disable_log_stats=False, seed=0,
               max_num_seqs=max(batch_sizes))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     cells = []
     for bs in batch_sizes:
@@ -96,7 +112,8 @@ def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens,
             rounds = max(1, -(-reps_tokens // (bs * max_tokens)))
             for r in range(rounds):
                 batch = [prompts[(r * bs + i) % len(prompts)] for i in range(bs)]
-                outs = llm.generate(batch, params, use_tqdm=False)
+                outs = llm.generate(batch, request_params(bs, max_tokens, spread),
+                                    use_tqdm=False)
                 n_tok += sum(len(o.outputs[0].token_ids) for o in outs)
         else:
             # continuous batching at concurrency `bs`: one call, at most `bs`
@@ -105,8 +122,8 @@ def run_engine(target, method, k, batch_sizes, max_tokens, prompts, reps_tokens,
             # `reps_tokens` tokens, whichever is more
             n_req = max(4 * bs, -(-reps_tokens // max_tokens))
             _scheduler(llm).max_num_active_reqs = bs
-            outs = llm.generate([prompts[i % len(prompts)] for i in range(n_req)], params,
-                                use_tqdm=False)
+            outs = llm.generate([prompts[i % len(prompts)] for i in range(n_req)],
+                                request_params(n_req, max_tokens, spread), use_tqdm=False)
             _scheduler(llm).max_num_active_reqs = max(batch_sizes)
             n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
         dt = time.perf_counter() - t
@@ -208,6 +225,10 @@ def main():
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--output-len-spread", type=float, default=0.0, metavar="S",
+                    help="each request generates a length drawn uniformly from "
+                         "MAX_TOKENS * (1 +- S), seeded, the same for every method (default 0: "
+                         "exactly MAX_TOKENS each, which keeps vanilla's requests in lockstep)")
     ap.add_argument("--min-tokens-per-cell", type=int, default=2048,
                     help="generated tokens per cell, at least")
     ap.add_argument("--synchronized", action="store_true",
@@ -231,6 +252,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     specs = method_specs(args.methods, args.ks, args.trees)
     results = {"command": " ".join(sys.argv), "max_tokens": args.max_tokens,
+               "output_len_spread": args.output_len_spread,
                "repeats": args.repeats,
                "cells": "synchronized rounds" if args.synchronized else "continuous batching",
                "batch_sizes": args.batch_sizes, "configs": {}}
@@ -240,7 +262,8 @@ def main():
             rows = results["configs"].setdefault(cfg, [])
             for j, (method, k) in enumerate(specs):
                 cells = run_engine(targets[cfg], method, k, args.batch_sizes, args.max_tokens,
-                                   prompts, args.min_tokens_per_cell, args.synchronized)
+                                   prompts, args.min_tokens_per_cell, args.synchronized,
+                                   args.output_len_spread)
                 if rep == 0:
                     rows.append({"method": method, "k": k, "cells": cells, "repeats": [cells]})
                 else:
