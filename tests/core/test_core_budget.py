@@ -403,8 +403,9 @@ def test_shape_bandit_counts_steps_without_prefill_rows():
 
 
 def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
-    """best(): an arm that speculates more must beat the best arm that
-    speculates less by speculation_margin (5%)."""
+    """best(): a speculative arm must beat plain by speculation_margin (10%);
+    a more speculative arm must beat the best less speculative (speculative)
+    one by margin (2%)."""
     from vllm_eagle_tree.core.budget import ShapeBandit, chain_length
 
     bandit = ShapeBandit(max_depth=2)
@@ -419,10 +420,14 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
         return bandit.best(0)
 
     assert best(plain=100.0, tree=120.0) == "tree"  # arms not measured are skipped
-    assert best(plain=100.0, chain_2=112.0, tree=117.0) == "chain-2"  # tree < 1.05 * 112
-    assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "plain"  # chain-2 < 1.05 * 100
-    assert best(plain=100.0, chain_1=104.0, chain_2=105.1) == "chain-2"
-    assert best(chain_1=50.0, chain_2=52.0) == "chain-1"
+    assert best(plain=100.0, tree=109.0) == "plain"  # < 1.10 * plain
+    assert best(plain=100.0, chain_2=112.0, tree=114.0) == "chain-2"  # tree < 1.02 * 112
+    assert best(plain=100.0, chain_2=112.0, tree=114.3) == "tree"
+    assert best(plain=100.0, chain_1=108.0, chain_2=109.9) == "plain"  # both < 1.10 * plain
+    assert best(plain=100.0, chain_1=108.0, chain_2=110.1) == "chain-2"
+    assert best(plain=100.0, chain_1=111.0, chain_2=113.0) == "chain-1"  # < 1.02 * 111
+    assert best(chain_1=50.0, chain_2=51.0) == "chain-1"
+    assert best(chain_1=50.0, chain_2=51.1) == "chain-2"
     assert best() is None
-    bandit.speculation_margin = 0.0
+    bandit.speculation_margin = bandit.margin = 0.0
     assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "chain-2"

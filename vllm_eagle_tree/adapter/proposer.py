@@ -23,6 +23,7 @@ root (the step's bonus token) drafts at ``R - 1``, a depth-d node at
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -37,8 +38,10 @@ from .attention import TreeAttention, TreeOnlyMetadata
 __all__ = ["FirstPassRows", "PendingRows", "TreeDrafter", "chain_mask"]
 
 
+@functools.lru_cache(maxsize=64)
 def chain_mask(n: int) -> torch.Tensor:
-    """int32 [n, ceil(n/32)]: packed causal mask of n consecutive rows."""
+    """int32 [n, ceil(n/32)]: packed causal mask of n consecutive rows
+    (cached: the same few sizes every step; callers copy it, never write it)."""
     return pack_bits(torch.ones(n, n, dtype=torch.bool).tril())
 
 

@@ -413,11 +413,14 @@ class ShapeBandit:
     steps it counts: requests that finish at different steps (the number of
     accepted tokens varies) lose the lockstep of plain decoding, so their
     prompts arrive one by one and a run ends with a drain at falling batch
-    sizes. So an arm that speculates more is only preferred when it is
-    ``speculation_margin`` (5%) faster than the best arm that speculates
-    less. (Measured with the shape forced, batch 16, ``scripts/bench_shapes.py
-    --step-log``: chain-1's full-batch steps without prefill were 9% faster
-    than plain's, its whole run was not.)
+    sizes. So a speculative arm is only preferred to plain when it is
+    ``speculation_margin`` (10%) faster. (Measured with the shape forced,
+    batch 16, ``scripts/bench_shapes.py --step-log``: chain-1's full-batch
+    steps without prefill were 9% faster than plain's, its whole run 2%
+    slower; a 5% margin still chose chain-1 at batch 16, where vanilla won.)
+    Between speculative arms (all of which lose the lockstep) a more
+    speculative arm must only be ``margin`` (2%) faster than the best less
+    speculative one (a smaller difference may be noise).
 
     Exploring costs throughput, so it is a local search over the arms in
     order of how much they speculate (plain < chain-1 < ... < chain-D <
@@ -437,7 +440,7 @@ class ShapeBandit:
     """
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
-                 decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.05):
+                 decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.10):
         self.arms = ["plain"] + [f"chain-{k}" for k in range(1, max_depth + 1)] + ["tree"]
         self.window = window
         self.explore_every = explore_every
@@ -500,13 +503,15 @@ class ShapeBandit:
         return st[0] / st[1]
 
     def best(self, bucket: int) -> str | None:
-        """The bucket's fastest measured arm (None: nothing measured), where
-        an arm that speculates more must be faster by ``speculation_margin``
-        than the best one that speculates less (see the class docstring)."""
+        """The bucket's fastest measured arm (None: nothing measured), in
+        order of how much they speculate, where a more speculative arm must
+        be faster than the best less speculative one by ``speculation_margin``
+        when that is plain, else by ``margin`` (see the class docstring)."""
         best, best_rate = None, 0.0
         for a in self.arms:
             r = self.rate(bucket, a)
-            if r is not None and (best is None or r > (1.0 + self.speculation_margin) * best_rate):
+            m = self.speculation_margin if best == "plain" else self.margin
+            if r is not None and (best is None or r > (1.0 + m) * best_rate):
                 best, best_rate = a, r
         return best
 
