@@ -316,7 +316,8 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     starts from the nearest measured bucket's best arm (chain-1 at first),
     measures the neighbours of its best arm until both are slower (a local
     search along plain < chain-1 < chain-2 < tree), then keeps the best one
-    and re-measures a neighbour after 8 windows times 1 + gap / 5%."""
+    and re-measures a neighbour after 8 windows times 1 + gap / 5% (gap: how
+    much faster it must get to be chosen)."""
     from vllm_eagle_tree.core.budget import ShapeBandit
 
     bandit = ShapeBandit(max_depth=2, window=4, explore_every=8)
@@ -343,16 +344,19 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
 
     assert run(1, 4) == ["chain-1", "plain", "chain-2", "tree"]
     assert bandit.rate(0, "chain-2") == pytest.approx(60.0)
-    # chain-1 is 25% slower: re-measured on the 8 * (1 + 0.25 / 0.05) = 48th
-    # window; the tree (33% slower) on the 62nd
+    # chain-1 must get 1 - 45 / (60 / 1.02) = 23.5% faster to be chosen (the
+    # 2% margin between speculative arms): re-measured on the
+    # 8 * (1 + 0.235 / 0.05) = 45.6 -> 46th window; the tree must reach
+    # 1.02 * 60: 1 - 40 / 61.2 = 34.6% -> 8 * 7.93 = 63.4 -> 64th
     later = run(1, 70)
     explored = {w + 1: a for w, a in enumerate(later) if a != "chain-2"}
-    assert explored == {48: "chain-1", 62: "tree"}, explored
+    assert explored == {46: "chain-1", 64: "tree"}, explored
     assert bandit.best(0) == "chain-2"
-    # a new bucket starts from the nearest one's best (chain-2) and walks
-    # down; chain-1 is within 2% of chain-2 (noise, not a slope), so the
-    # search goes on to plain, the fastest; the tree is never tried there
-    assert run(16, 5) == ["chain-2", "chain-1", "plain", "plain", "plain"]
+    # a new bucket starts from the nearest one's best (chain-2), measures
+    # plain (always a rival), then plain's unmeasured neighbour chain-1;
+    # chain-1 and chain-2 need 10% over plain, so plain stays; the tree is
+    # never tried there
+    assert run(16, 5) == ["chain-2", "plain", "chain-1", "plain", "plain"]
     bandit.choose(16)
     assert bandit.summary()["16"] == {"chain-2": pytest.approx(97.0),
                                       "chain-1": pytest.approx(96.0), "plain": pytest.approx(104.0)}
@@ -400,6 +404,32 @@ def test_shape_bandit_counts_steps_without_prefill_rows():
         bandit.observe(tokens=8, seconds=0.5, requests=8, prefill=True)
     assert n == 16
     assert bandit.stats[3][arm] == [8.0, pytest.approx(0.5), 1, 8.0]
+
+
+def test_shape_bandit_scales_steps_to_the_buckets_batch_size():
+    """A step of n requests in bucket N counts as N requests: tokens x N / n,
+    seconds + verify_cost.b x rows / n x (N - n)."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    bandit = ShapeBandit(max_depth=2, window=4, verify_cost=LinearCost(a=0.02, b=0.001))
+    assert bandit.choose(16) == "chain-1"
+    bandit.observe(tokens=1, seconds=1.0, requests=16, rows=32)  # first step: not counted
+    for n in (10, 10, 20):  # batch 10 and 20 stay in bucket 16 (hysteresis)
+        assert bandit.choose(n) == "chain-1"
+        bandit.observe(tokens=1.5 * n, seconds=0.04, requests=n, rows=2 * n)
+    bandit.choose(16)
+    tokens = 3 * 1.5 * 16  # every step scaled to 16 requests
+    seconds = (0.04 + 0.001 * 2 * 6) * 2 + (0.04 - 0.001 * 2 * 4)
+    assert bandit.stats[4]["chain-1"] == [pytest.approx(tokens / 3), pytest.approx(seconds / 3),
+                                          1, pytest.approx(16.0)]
+    # without rows (or without a verify cost) steps count as they are
+    plain = ShapeBandit(max_depth=2, window=4)
+    plain.choose(16)
+    for _ in range(4):
+        plain.choose(10)
+        plain.observe(tokens=10, seconds=0.04, requests=10, rows=10)
+    plain.choose(16)
+    assert plain.stats[4]["chain-1"] == [pytest.approx(10.0), pytest.approx(0.04), 1, 10.0]
 
 
 def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():

@@ -132,6 +132,7 @@ class TreeRunnerMixin:
         self._step_emitted = 0                 # tokens the current step's decodes emitted
         self._step_requests = 0                # its decoding requests
         self._step_prefill_rows = 0            # its prefill rows
+        self._step_decode_rows = 0             # its decoding requests' query rows
         self._draft_arm: str | None = None     # the bandit arm of the drafts being verified
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
                            "accepted_per_depth": [0] * self.eagle2.tree.max_depth,
@@ -158,7 +159,8 @@ class TreeRunnerMixin:
         self._tree_kv_caches = self._unique_kv_caches()  # what compaction moves
         if self.eagle2.goodput:
             self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
-            self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth)
+            self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth,
+                                           verify_cost=self.tree_planner.verify_cost)
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
                                         self._tree_block_size, planner=self.tree_planner)
 
@@ -194,19 +196,22 @@ class TreeRunnerMixin:
                 seconds = now - self._step_clock
                 prefill = self.tree_planner.verify_cost.b * self._step_prefill_rows
                 self.tree_bandit.observe(self._step_emitted, max(seconds - prefill, 0.1 * seconds),
-                                         self._step_requests, prefill=self._step_prefill_rows > 0)
+                                         self._step_requests, prefill=self._step_prefill_rows > 0,
+                                         rows=self._step_decode_rows)
             self._step_clock, self._step_emitted = now, 0
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
         spec = scheduler_output.scheduled_spec_decode_tokens
         if self.tree_bandit is not None:
-            decoding = prefill_rows = 0
+            decoding = decode_rows = prefill_rows = 0
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
                 if n - len(spec.get(req_id, ())) == 1:
                     decoding += 1
+                    decode_rows += n
                 else:
                     prefill_rows += n
             self._step_requests, self._step_prefill_rows = decoding, prefill_rows
+            self._step_decode_rows = decode_rows
         num_reqs = self.input_batch.num_reqs
         qsl = self.query_start_loc.np
         live = set(self.input_batch.req_ids[:num_reqs])
@@ -369,7 +374,10 @@ class TreeRunnerMixin:
             # much of it the accepted path covers (both are root paths)
             self.tree_bandit.observe_chain(
                 *greedy_chain_acceptance(tree, res.num_accepted, res.accepted_nodes))
-        if self.tree_planner is not None:
+        if self.tree_planner is not None and chain_length(self._draft_arm) is None:
+            # the planner sizes trees: it learns from verified trees only (a
+            # chain arm's top-1 nodes are what observe_chain is for; skipping
+            # them saves a few hundred microseconds a step)
             self.tree_planner.observe_acceptance(tree, res.num_accepted, res.accepted_nodes,
                                                  req_ids=step.req_ids)
         return out

@@ -433,14 +433,20 @@ class ShapeBandit:
       arm past a neighbour measured within ``margin`` (2%) of the best (a
       difference that small may be noise, not a slope; a wider margin sent
       the search through every arm at batch 16, where all were within 15%);
+    * plain is measured in every bucket and always re-measured like a
+      neighbour (at batch 16 a run started from chain-2, measured chain-1
+      slower in a slow moment and never tried plain, the fastest there);
     * then the best arm is kept, and a neighbour is re-measured once its
       turn comes: after ``explore_every`` windows, times ``1 + gap / 0.05``
-      where ``gap`` is how much slower it was measured (a neighbour 20%
-      slower is revisited every 5 x 8 windows, costing about 0.5%).
+      where ``gap`` is how much faster it must get to be chosen, margins
+      included (:meth:`_gap`; a neighbour that needs 20% is revisited every
+      5 x 8 windows, costing about 0.5%).
     """
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
-                 decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.10):
+                 decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.10,
+                 verify_cost: LinearCost | None = None):
+        self.verify_cost = verify_cost  # its per-row cost scales steps to the bucket's size
         self.arms = ["plain"] + [f"chain-{k}" for k in range(1, max_depth + 1)] + ["tree"]
         self.window = window
         self.explore_every = explore_every
@@ -519,12 +525,30 @@ class ShapeBandit:
         measured = sorted((abs(b - bucket), b) for b in self.stats if self.best(b) is not None)
         return self.best(measured[0][1]) if measured else "chain-1"
 
+    def _gap(self, b: int, best: str, rival: str) -> float:
+        """How much faster ``rival`` must get to replace ``best`` (a fraction;
+        0: it is there), the margins of :meth:`best` included: a speculative
+        arm measured 4% faster than plain is still 5% short of the 10% it
+        needs (and each window of it costs the lockstep the margin stands for)."""
+        r, rb = self.rate(b, rival), self.rate(b, best)
+        if self.arms.index(rival) > self.arms.index(best):
+            bar = (1.0 + (self.speculation_margin if best == "plain" else self.margin)) * rb
+        else:
+            bar = rb / (1.0 + (self.speculation_margin if rival == "plain" else self.margin))
+        return max(1.0 - r / bar, 0.0)
+
     def _pick(self, b: int) -> str:
         best = self.best(b)
         if best is None:
             return self._seed(b)
         i = self.arms.index(best)
         neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
+        if "plain" not in neighbours and best != "plain":
+            # plain is always a rival: it is the baseline, and noise can make
+            # the arm between it and the best look slower than both
+            if self.rate(b, "plain") is None:
+                return "plain"
+            neighbours.append("plain")
         for step in (-1, 1):  # walk on past arms within `margin` of the best (noise)
             j = i + step
             while 0 <= j < len(self.arms):
@@ -538,8 +562,7 @@ class ShapeBandit:
         due = []
         for n in neighbours:
             waited[n] = waited.get(n, 0) + 1
-            gap = max(1.0 - self.rate(b, n) / self.rate(b, best), 0.0)
-            if waited[n] >= self.explore_every * (1.0 + gap / 0.05):
+            if waited[n] >= self.explore_every * (1.0 + self._gap(b, best, n) / 0.05):
                 due.append((waited[n], n))
         if due:
             n = max(due)[1]
@@ -562,13 +585,28 @@ class ShapeBandit:
         return self.current
 
     def observe(self, tokens: float, seconds: float, requests: float | None = None,
-                prefill: bool = False) -> None:
+                prefill: bool = False, rows: int | None = None) -> None:
         """One finished engine step under the current arm: tokens its decodes
         emitted, seconds (prefill's share taken out by the caller), decoding
-        requests (default: ``tokens``) and whether it carried prefill rows."""
+        requests (default: ``tokens``), whether it carried prefill rows, and
+        the decoding requests' query rows.
+
+        With ``rows`` and a ``verify_cost``, a step of ``n`` requests is
+        scaled to the bucket's batch size ``N`` (its power of two) before it
+        is counted: tokens x N / n, and seconds plus the verify cost of the
+        rows the missing (or extra) requests would add, ``verify_cost.b x
+        rows / n x (N - n)``. A bucket holds batch sizes from 0.6x to 1.7x
+        its own (hysteresis), and a run's drain passes through them:
+        unscaled, plain measured at batch 10 in bucket 16 looks 28% slower
+        than at 16 (a step of 20 ms + 0.65 ms per row, as measured live)."""
         if self._skip:
             self._skip = False
             return
+        if rows is not None and requests and self.verify_cost is not None and self._bucket >= 0:
+            n, size = float(requests), float(1 << self._bucket)
+            tokens = tokens * size / n
+            seconds = max(seconds + self.verify_cost.b * rows / n * (size - n), 0.1 * seconds)
+            requests = size
         acc = self._acc["prefill" if prefill else "clean"]
         acc[0] += tokens
         acc[1] += seconds
