@@ -374,10 +374,7 @@ class TreeRunnerMixin:
             # much of it the accepted path covers (both are root paths)
             self.tree_bandit.observe_chain(
                 *greedy_chain_acceptance(tree, res.num_accepted, res.accepted_nodes))
-        if self.tree_planner is not None and chain_length(self._draft_arm) is None:
-            # the planner sizes trees: it learns from verified trees only (a
-            # chain arm's top-1 nodes are what observe_chain is for; skipping
-            # them saves a few hundred microseconds a step)
+        if self.tree_planner is not None:
             self.tree_planner.observe_acceptance(tree, res.num_accepted, res.accepted_nodes,
                                                  req_ids=step.req_ids)
         return out
