@@ -432,6 +432,30 @@ def test_shape_bandit_scales_steps_to_the_buckets_batch_size():
     assert plain.stats[4]["chain-1"] == [pytest.approx(10.0), pytest.approx(0.04), 1, 10.0]
 
 
+def test_shape_bandit_weighs_a_re_measured_arms_old_value_by_its_age():
+    """An arm measured again after `age` windows of other arms keeps its old
+    value at weight decay ** (1 + age / explore_every), not decay."""
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    bandit = ShapeBandit(max_depth=2, window=4, explore_every=8, decay=0.7)
+    arms = iter(["plain"] + ["chain-1"] * 16 + ["plain", "plain", "done"])
+    bandit._pick = lambda b: next(arms)
+    sec = {"plain": [0.1, 0.05, 0.04], "chain-1": [0.08] * 16}
+    for _ in range(19):
+        arm = bandit.choose(1)
+        bandit.observe(tokens=1, seconds=9.0, requests=1)  # first step: not counted
+        t = sec[arm].pop(0)
+        for _ in range(3):
+            assert bandit.choose(1) == arm
+            bandit.observe(tokens=1, seconds=t, requests=1)
+    assert bandit.choose(1) == "done"
+    w = 0.7 ** (1 + 16 / 8)  # plain's second window came after 16 windows of chain-1
+    second = w * 0.1 + (1 - w) * 0.05
+    assert bandit.stats[0]["plain"][1] == pytest.approx(0.7 * second + 0.3 * 0.04)  # age 0
+    assert bandit.stats[0]["chain-1"][1] == pytest.approx(0.08)
+    assert bandit.stats[0]["plain"][2] == 3
+
+
 def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
     """best(): a speculative arm must beat plain by speculation_margin (10%);
     a more speculative arm must beat the best less speculative (speculative)

@@ -457,6 +457,8 @@ class ShapeBandit:
         # windows: a count)
         self.stats: dict[int, dict[str, list[float]]] = {}
         self._waited: dict[int, dict[str, int]] = {}  # bucket -> neighbour -> windows since measured
+        self._closed: dict[int, int] = {}  # bucket -> windows measured in it
+        self._last: dict[int, dict[str, int]] = {}  # bucket -> arm -> its last window's number
         self.reached = [0.0] * max_depth   # chains whose depth d was verified, d-1 accepted
         self.accepted = [0.0] * max_depth  # ... and depth d accepted too
         self.current = "chain-1"
@@ -619,11 +621,21 @@ class ShapeBandit:
         self._acc = {"clean": [0.0, 0.0, 0, 0.0], "prefill": [0.0, 0.0, 0, 0.0]}
         if n <= 0 or sec <= 0:
             return
-        st = self.stats.setdefault(self._bucket, {}).get(self.current)
+        b, arm = self._bucket, self.current
+        number = self._closed[b] = self._closed.get(b, 0) + 1
+        last = self._last.setdefault(b, {})
+        age = number - last.get(arm, number) - 1  # windows of other arms since its last
+        last[arm] = number
+        st = self.stats.setdefault(b, {}).get(arm)
         if st is None:
-            self.stats[self._bucket][self.current] = [tok / n, sec / n, 1, req / n]
+            self.stats[b][arm] = [tok / n, sec / n, 1, req / n]
         else:
-            a = self.decay
+            # an arm re-measured after `age` windows of others: its old value
+            # is as stale as it is old (the machine drifts), so it weighs
+            # decay ** (1 + age / explore_every) (0.34 after 16 windows)
+            # rather than decay: one unlucky first window no longer keeps a
+            # rival down through its rare re-measurements
+            a = self.decay ** (1.0 + age / self.explore_every)
             st[0] = a * st[0] + (1 - a) * tok / n
             st[1] = a * st[1] + (1 - a) * sec / n
             st[2] += 1
