@@ -465,9 +465,13 @@ class ShapeBandit:
         self._bucket = -1  # no window yet (every batch size is >= 0.75 octaves from it)
         # this window: [tokens, seconds, counted steps, requests] of its steps
         # without prefill rows ("clean") and of the others; and its steps so far
-        self._acc = {"clean": [0.0, 0.0, 0, 0.0], "prefill": [0.0, 0.0, 0, 0.0]}
+        self._acc = self._empty_window()
         self._steps = 0
         self._skip = False
+
+    @staticmethod
+    def _empty_window() -> dict[str, list[float]]:
+        return {"clean": [0.0, 0.0, 0, 0.0], "prefill": [0.0, 0.0, 0, 0.0]}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -518,10 +522,13 @@ class ShapeBandit:
         best, best_rate = None, 0.0
         for a in self.arms:
             r = self.rate(bucket, a)
-            m = self.speculation_margin if best == "plain" else self.margin
-            if r is not None and (best is None or r > (1.0 + m) * best_rate):
+            if r is not None and (best is None or r > (1.0 + self._margin(best)) * best_rate):
                 best, best_rate = a, r
         return best
+
+    def _margin(self, less: str) -> float:
+        """How much faster than ``less`` a more speculative arm must be."""
+        return self.speculation_margin if less == "plain" else self.margin
 
     def _seed(self, bucket: int) -> str:
         measured = sorted((abs(b - bucket), b) for b in self.stats if self.best(b) is not None)
@@ -534,9 +541,9 @@ class ShapeBandit:
         needs (and each window of it costs the lockstep the margin stands for)."""
         r, rb = self.rate(b, rival), self.rate(b, best)
         if self.arms.index(rival) > self.arms.index(best):
-            bar = (1.0 + (self.speculation_margin if best == "plain" else self.margin)) * rb
+            bar = (1.0 + self._margin(best)) * rb
         else:
-            bar = rb / (1.0 + (self.speculation_margin if rival == "plain" else self.margin))
+            bar = rb / (1.0 + self._margin(rival))
         return max(1.0 - r / bar, 0.0)
 
     def _pick(self, b: int) -> str:
@@ -618,7 +625,7 @@ class ShapeBandit:
     def _close_window(self) -> None:
         clean = self._acc["clean"]
         tok, sec, n, req = clean if clean[2] > 0 else self._acc["prefill"]
-        self._acc = {"clean": [0.0, 0.0, 0, 0.0], "prefill": [0.0, 0.0, 0, 0.0]}
+        self._acc = self._empty_window()
         if n <= 0 or sec <= 0:
             return
         b, arm = self._bucket, self.current
