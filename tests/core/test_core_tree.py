@@ -231,3 +231,26 @@ def test_validate_errors():
         bad.validate()
     # A tree whose children share a token under different parents is fine.
     TreeBatch.from_parents([[-1, 0, 0, 1, 2]], [[1, 2, 3, 7, 7]])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_from_parents_checks_what_validate_checks(seed):
+    """from_parents checks in one Python pass (it runs every engine step) and
+    does not re-run validate(): every batch it builds passes validate(), and a
+    duplicate child token or a negative context is refused by both alike."""
+    tree, ps, ts, ctx = random_batch(seed, [1, 2, 7, 20, 33])
+    tree.validate()
+    b = 4
+    kids = [i for i, p in enumerate(ps[b]) if p == 0]
+    assert len(kids) >= 2
+    dup = [list(t) for t in ts]
+    dup[b][kids[-1]] = dup[b][kids[0]]
+    msg = f"request {b}: node 0 has two children with token {dup[b][kids[0]]}"
+    with pytest.raises(ValueError, match=msg):
+        TreeBatch.from_parents(ps, dup, context_len=ctx)
+    bad = TreeBatch(tree.cu_nodes, torch.tensor([x for t in dup for x in t]), tree.parent,
+                    tree.depth, tree.value, tree.context_len)
+    with pytest.raises(ValueError, match=msg):
+        bad.validate()
+    with pytest.raises(ValueError, match="context_len must be >= 0"):
+        TreeBatch.from_parents(ps, ts, context_len=[-1] + ctx[1:])

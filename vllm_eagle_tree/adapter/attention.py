@@ -1,10 +1,10 @@
 """Tree attention inside vLLM 0.32's CPU_ATTN backend (docs/INTEGRATION.md, step 5).
 
 vLLM's CPU attention kernel takes no mask, so a tree cannot go through it.
-:class:`TreeCPUAttentionImpl` keeps vLLM's kernel for every row and then
-recomputes the rows of tree requests over the same paged cache with the
-fused C++ op of ``adapter/cpu_tree_attention.cpp`` (or, where it cannot be
-built, the PyTorch ``TreeAttentionPlan`` of ``adapter.cpu_tree_attention``),
+:class:`TreeCPUAttentionImpl` keeps vLLM's kernel for every row (skipped when
+every row of the step is a tree row) and then recomputes the rows of tree
+requests over the same paged cache with the fused C++ op of
+``adapter/cpu_tree_attention.cpp`` (or, where it cannot be built, the PyTorch ``TreeAttentionPlan`` of ``adapter.cpu_tree_attention``),
 overwriting them:
 
 * target verify pass: the runner attaches a :class:`TreeAttention` to the
@@ -105,9 +105,11 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if isinstance(attn_metadata, TreeOnlyMetadata):
             attn_metadata.tree.attend(query, kv_cache, self.scale, output)
             return output
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                 output_scale, output_block_scale)
         tree = getattr(attn_metadata, TREE_METADATA_ATTR, None)
+        # every row a tree row (e.g. batch 1): vLLM's kernel would compute nothing kept
+        if tree is None or tree.rows.numel() != attn_metadata.num_actual_tokens:
+            output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                     output_scale, output_block_scale)
         if tree is not None:
             tree.attend(query, kv_cache, self.scale, output)
         return output

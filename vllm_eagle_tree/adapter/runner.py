@@ -241,11 +241,12 @@ class TreeRunnerMixin:
             step.tree = TreeBatch.from_parents([p for p, _ in step.trees],
                                                [t for _, t in step.trees], step.context_len,
                                                values=step.values)
-            sizes = step.tree.sizes.tolist()
-            rows = torch.cat([q0 + torch.arange(n) for q0, n in zip(step.q_start, sizes)])
-            self.positions[rows] = (step.tree.context_len.long().repeat_interleave(
-                step.tree.sizes.long()) + step.tree.depth.long()).to(self.positions.dtype)
             step.masked = _masked_trees(step)
+            if step.masked:  # a chain's depths are its indices: vLLM's positions already
+                sizes = step.tree.sizes.tolist()
+                rows = torch.cat([q0 + torch.arange(n) for q0, n in zip(step.q_start, sizes)])
+                self.positions[rows] = (step.tree.context_len.long().repeat_interleave(
+                    step.tree.sizes.long()) + step.tree.depth.long()).to(self.positions.dtype)
         self._tree_step = step
         self._timed_rows = int(scheduler_output.total_num_scheduled_tokens)
         return out
@@ -350,15 +351,21 @@ class TreeRunnerMixin:
         sampled = out.sampled_token_ids
         num_acc = res.num_accepted.tolist()
         self._step_emitted += sum(num_acc)
+        # each tree request's row: accepted tokens, the bonus token, then -1
+        D = res.accepted_tokens.shape[1]
+        emitted = torch.cat([res.accepted_tokens, torch.full((len(num_acc), 1), -1)], 1)
+        emitted[torch.arange(len(num_acc)), res.num_accepted] = res.bonus_token
+        sampled[step.batch_index] = -1
+        sampled[step.batch_index, :D + 1] = emitted.to(sampled.dtype)
+        nodes, bonus = res.accepted_nodes.tolist(), res.bonus_token.tolist()
+        move = []
         for j, i in enumerate(step.batch_index):
-            emitted = res.emitted(j)
-            sampled[i].fill_(-1)
-            sampled[i, :len(emitted)] = torch.tensor(emitted, dtype=sampled.dtype)
-            step.accepted[i] = (res.accepted_nodes[j, :num_acc[j]].tolist(), emitted[-1])
-        # A path whose nodes are 1..n (a chain, or a tree's first branch) is
-        # already where compaction would put it: move only the others.
-        move = [j for j, n in enumerate(num_acc)
-                if n and res.accepted_nodes[j, :n].tolist() != list(range(1, n + 1))]
+            path = nodes[j][:num_acc[j]]
+            step.accepted[i] = (path, bonus[j])
+            # A path whose nodes are 1..n (a chain, or a tree's first branch) is
+            # already where compaction would put it: move only the others.
+            if path != list(range(1, len(path) + 1)):
+                move.append(j)
         if move:
             bt = self.input_batch.block_table[0].get_cpu_tensor()[
                 [step.batch_index[j] for j in move]]

@@ -313,23 +313,23 @@ class GoodputPlanner:
         code, earn larger trees than requests it keeps rejecting). Nodes with
         unknown path values (NaN) are skipped."""
         drafted = (tree.parent >= 0) & ~torch.isnan(tree.value)
+        if not bool(drafted.any()):
+            return
         acc = num_accepted.reshape(-1).long()
         hit = torch.zeros(tree.total, dtype=torch.bool)
-        cu = tree.cu_nodes.long()
-        for b, n in enumerate(acc.tolist()):
-            if n > 0:
-                hit[cu[b] + accepted_nodes[b, :n].long()] = True
+        nodes = accepted_nodes.long()
+        on_path = torch.arange(nodes.shape[1]).unsqueeze(0) < acc.unsqueeze(1)  # [B, D]
+        hit[(tree.cu_nodes[:-1].long().unsqueeze(1) + nodes)[on_path]] = True
         p = self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
         if req_ids is not None:
             per_req = torch.zeros(tree.num_requests).index_add_(
                 0, tree.request_index[drafted].long(), p.float())
-            for b, r in enumerate(req_ids):
-                if float(per_req[b]) > 1e-6:
-                    ratio = min(max(int(acc[b]) / float(per_req[b]), 0.05), 20.0)
+            for r, n, pr in zip(req_ids, acc.tolist(), per_req.tolist()):
+                if pr > 1e-6:
+                    ratio = min(max(n / pr, 0.05), 20.0)
                     old = self.request_factor.get(r, 1.0)
                     self.request_factor[r] = self.decay * old + (1 - self.decay) * ratio
-        if bool(drafted.any()):
-            self.calibration.observe(tree.value[drafted], tree.depth[drafted], hit[drafted])
+        self.calibration.observe(tree.value[drafted], tree.depth[drafted], hit[drafted])
 
     def accept_prob(self, tree: TreeBatch, req_ids=None) -> torch.Tensor:
         """float [total]: each node's estimated acceptance probability (calibrated,

@@ -68,7 +68,9 @@ class TreeBatch:
         values: Sequence[Sequence[float]] | None = None,
         device: torch.device | str | None = None,
     ) -> "TreeBatch":
-        """Build and validate a batch from per-request parent and token lists.
+        """Build a batch from per-request parent and token lists, checked as
+        :meth:`validate` checks (parents first, root parent -1, distinct child
+        tokens, context lengths >= 0; depths are derived).
 
         ``parents[b][0]`` must be -1 (the root); depths are derived. Values
         default to 0 (unknown), context lengths to 0.
@@ -88,6 +90,14 @@ class TreeBatch:
                     raise ValueError(
                         f"request {b}: node {i} has parent {p[i]}; parents must come "
                         f"first (0 <= parent < node)")
+            if len({(p[i], t[i]) for i in range(1, len(p))}) != len(p) - 1:
+                seen: set = set()
+                for i in range(1, len(p)):
+                    if (p[i], t[i]) in seen:
+                        raise ValueError(
+                            f"request {b}: node {p[i]} has two children with token {t[i]}; "
+                            f"child tokens of a node must be distinct")
+                    seen.add((p[i], t[i]))
         depth: list[int] = []
         for p in parents:
             d = [0] * len(p)
@@ -110,7 +120,10 @@ class TreeBatch:
             value=torch.tensor(flat_vals, dtype=torch.float32, device=device),
             context_len=torch.as_tensor(context_len, dtype=torch.int32, device=device).reshape(-1).clone(),
         )
-        tree.validate()
+        # Every invariant validate() checks holds by construction or was checked
+        # above (per-step cost: the runner builds one batch every step).
+        if bool((tree.context_len < 0).any()):
+            raise ValueError("context_len must be >= 0")
         return tree
 
     @classmethod
