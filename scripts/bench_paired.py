@@ -1,0 +1,258 @@
+#!/usr/bin/env python
+"""Paired benchmark: is eagle2 adaptive at least as fast as the best of vanilla
+and vLLM's EAGLE chain, at each batch size? With confidence intervals.
+
+This machine drifts 10-20% within minutes (DESIGN.md; README, Benchmarks), so
+one run of each method, or a few repeats an engine-lifetime apart
+(scripts/bench_baseline.py), cannot settle differences under ~10%. Here
+each batch size is measured in ROUNDS: in each round every method runs
+the same cell back to back (a fresh in-process engine each, warmed with one
+untimed pass at that batch size, then continuous batching at concurrency
+BATCH as bench_baseline.py, on the cost-realistic deep target, EAGLE-3 head,
+greedy), the order rotating from round to round. The comparison is then
+*paired*: per round, adaptive's tokens/s over the round's baseline's (the
+method, among vanilla and the chains, with the best mean at that batch size),
+whose geometric mean and 95% t-interval (on log ratios) are reported.
+
+    .venv/bin/python scripts/bench_paired.py --rounds 6
+    .venv/bin/python scripts/bench_paired.py --batch-sizes 4 --chain-ks 4=2,3 --rounds 8
+
+Writes results/eagle2_paired.json (every cell, as it completes) and .png,
+and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+ADAPTIVE = ("eagle2-eagle3", "8x4x2g")
+
+# Student t 97.5% quantiles by degrees of freedom (two-sided 95% interval).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    """Two-sided 95% Student t quantile for ``df`` degrees of freedom (table,
+    rounded down to the nearest tabulated df: slightly conservative)."""
+    if df >= 30:
+        return 1.96 if df > 120 else _T975[30]
+    return _T975[max(k for k in _T975 if k <= df)]
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% t-interval (0 for one sample)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, 0.0
+    return m, t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def paired_ratio(a: list[float], b: list[float]) -> dict:
+    """Geometric mean of ``a[r] / b[r]`` and its 95% interval (t on log ratios)."""
+    logs = [math.log(x / y) for x, y in zip(a, b)]
+    m, h = mean_ci(logs)
+    return {"ratio": round(math.exp(m), 4), "low": round(math.exp(m - h), 4),
+            "high": round(math.exp(m + h), 4), "each": [round(math.exp(x), 4) for x in logs]}
+
+
+def verdict(r: dict) -> str:
+    if r["low"] >= 1.0:
+        return "faster"
+    if r["high"] < 1.0:
+        return "slower"
+    return "no difference resolved"
+
+
+DEFAULT_CHAIN_KS = {16: [2], 64: [2]}
+"""K=3 measured 10-20% slower than K=2 at batch 16 and 64 in every run so far."""
+
+
+def parse_chain_ks(items: list[str], batch_sizes: list[int]) -> dict[int, list[int]]:
+    """``["1=2,3", "64=2"]`` -> {1: [2, 3], 64: [2]}; batch sizes not named get
+    DEFAULT_CHAIN_KS, else [2, 3]."""
+    out = {b: DEFAULT_CHAIN_KS.get(b, [2, 3]) for b in batch_sizes}
+    for item in items:
+        b, _, ks = item.partition("=")
+        if not ks or int(b) not in out:
+            raise SystemExit(f"--chain-ks {item!r}: want BATCH=K[,K...] with BATCH in "
+                             f"{batch_sizes}")
+        out[int(b)] = [int(k) for k in ks.split(",")]
+    return out
+
+
+def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
+    """One fresh engine: an untimed pass of ``bs`` requests, then the timed cell."""
+    from vllm import LLM
+
+    from bench_baseline import _scheduler, request_params, speculative_config
+    from vllm_eagle_tree.metrics import spec_counters
+
+    spec = speculative_config(method, k)
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
+              max_model_len=1024, disable_log_stats=False, seed=0, max_num_seqs=64)
+    _scheduler(llm).max_num_active_reqs = bs
+    warm = [prompts[-1 - i % len(prompts)] for i in range(bs)]
+    llm.generate(warm, request_params(bs, max_tokens // 2), use_tqdm=False)
+    n_req = max(4 * bs, -(-min_tokens // max_tokens))
+    before, t = spec_counters(llm), time.perf_counter()
+    outs = llm.generate([prompts[i % len(prompts)] for i in range(n_req)],
+                        request_params(n_req, max_tokens), use_tqdm=False)
+    dt = time.perf_counter() - t
+    c = spec_counters(llm) - before
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    cell = {"tokens": n_tok, "seconds": round(dt, 3), "tokens_per_s": round(n_tok / dt, 2),
+            "tau": round(c.tau, 4) if spec else 1.0}
+    if spec and spec.get("goodput"):
+        from vllm_eagle_tree.core.budget import ShapeBandit
+
+        g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+        cell["bandit_windows"] = g["arm_windows"].get(str(1 << ShapeBandit.bucket(bs)), {})
+    del llm
+    gc.collect()
+    return cell
+
+
+def label(method, k) -> str:
+    if method == "vanilla":
+        return "vanilla"
+    if method == ADAPTIVE[0]:
+        return "eagle2 adaptive"
+    return f"vLLM {method} K={k}"
+
+
+def summarize(cells: dict[str, list[dict]]) -> dict:
+    """Per method mean/CI; the baseline (best non-adaptive mean); the paired ratio."""
+    out = {"methods": {}}
+    for name, cs in cells.items():
+        xs = [c["tokens_per_s"] for c in cs]
+        m, h = mean_ci(xs)
+        out["methods"][name] = {"mean": round(m, 2), "ci95": round(h, 2), "each": xs}
+    others = {n: v for n, v in out["methods"].items() if n != label(*ADAPTIVE)}
+    ours = out["methods"].get(label(*ADAPTIVE))
+    if others and ours and len(ours["each"]) == len(next(iter(others.values()))["each"]):
+        best = max(others, key=lambda n: others[n]["mean"])
+        r = paired_ratio(ours["each"], others[best]["each"])
+        out["baseline"] = best
+        out["adaptive_over_baseline"] = dict(r, verdict=verdict(r))
+        if "vanilla" in others and best != "vanilla":
+            out["adaptive_over_vanilla"] = paired_ratio(ours["each"], others["vanilla"]["each"])
+    return out
+
+
+def markdown(results) -> str:
+    lines = ["| batch | method | tokens/s (mean ± 95% CI) | per round |", "|---|---|---|---|"]
+    for b, res in results["batch_sizes"].items():
+        s = res["summary"]
+        for name, v in s["methods"].items():
+            star = " (baseline)" if name == s.get("baseline") else ""
+            lines.append(f"| {b} | {name}{star} | {v['mean']:.0f} ± {v['ci95']:.0f} | "
+                         + ", ".join(f"{x:.0f}" for x in v["each"]) + " |")
+    lines += ["", "| batch | baseline | adaptive / baseline, paired (95% CI) | verdict |"
+              " adaptive / vanilla |", "|---|---|---|---|---|"]
+    for b, res in results["batch_sizes"].items():
+        s = res["summary"]
+        r = s.get("adaptive_over_baseline")
+        if r:
+            v = s.get("adaptive_over_vanilla", r if s["baseline"] == "vanilla" else None)
+            lines.append(f"| {b} | {s['baseline']} | {r['ratio']:.3f} [{r['low']:.3f}, "
+                         f"{r['high']:.3f}] | {r['verdict']} | "
+                         + (f"{v['ratio']:.2f}x" if v else "-") + " |")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bss = [int(b) for b in results["batch_sizes"]]
+    names = []
+    for res in results["batch_sizes"].values():
+        names += [n for n in res["summary"]["methods"] if n not in names]
+    for n in names:
+        xs, ys, es = [], [], []
+        for b, res in results["batch_sizes"].items():
+            v = res["summary"]["methods"].get(n)
+            if v:
+                xs.append(int(b))
+                ys.append(v["mean"])
+                es.append(v["ci95"])
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bss, [str(b) for b in bss])
+    ax.set_xlabel("batch size (concurrency)")
+    ax.set_ylabel("generated tokens/s (mean, 95% CI)")
+    ax.set_title(f"deep target, EAGLE-3 head, {results['rounds']} paired rounds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    from make_deep_target import build
+    from vllm_eagle_tree import assets
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--chain-ks", nargs="*", default=[], metavar="BATCH=K,K",
+                    help="vLLM chain lengths per batch size (default 2 and 3; 2 only at 16 "
+                         "and 64, where K=3 measured 10-20%% slower than K=2 in every run)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-tokens-per-cell", type=int, default=2048)
+    ap.add_argument("--out", default=str(ROOT / "results" / "eagle2_paired.json"))
+    args = ap.parse_args()
+    if args.rounds < 2:
+        raise SystemExit("--rounds must be at least 2 (a confidence interval needs two)")
+    chain_ks = parse_chain_ks(args.chain_ks, args.batch_sizes)
+
+    target = build(assets.DEEP_TARGET, extra_layers=60)
+    prompts = assets.heldout_prompts()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {"command": " ".join(sys.argv), "rounds": args.rounds,
+               "max_tokens": args.max_tokens, "min_tokens_per_cell": args.min_tokens_per_cell,
+               "batch_sizes": {}}
+    total = args.rounds * sum(len(chain_ks[b]) + 2 for b in args.batch_sizes)
+    done, t0 = 0, time.time()
+    for bs in args.batch_sizes:
+        specs = [("vanilla", 0)] + [("eagle3", k) for k in chain_ks[bs]] + [ADAPTIVE]
+        res = results["batch_sizes"].setdefault(str(bs), {"cells": {label(*s): [] for s in specs}})
+        for r in range(args.rounds):
+            order = specs[r % len(specs):] + specs[:r % len(specs)]  # rotate who goes first
+            for method, k in order:
+                cell = run_cell(target, method, k, bs, args.max_tokens, prompts,
+                                args.min_tokens_per_cell)
+                cell["round"] = r
+                res["cells"][label(method, k)].append(cell)
+                done += 1
+                el = time.time() - t0
+                print(f"[{done}/{total}, {el / 60:.1f} min, eta {el / done * (total - done) / 60:.1f}"
+                      f" min] batch {bs} round {r + 1}: {label(method, k)} "
+                      f"{cell['tokens_per_s']:.1f} tok/s tau {cell['tau']:.2f}", flush=True)
+            res["summary"] = summarize(res["cells"]) if r >= 1 else {}
+            out.write_text(json.dumps(results, indent=1) + "\n")
+    png = out.with_suffix(".png")
+    plot(results, png)
+    print(markdown(results))
+    print(f"\nwrote {out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The statistics scripts/bench_paired.py draws its verdict from."""
+import math
+import runpy
+import statistics
+
+import pytest
+
+from vllm_eagle_tree import assets
+
+bp = runpy.run_path(str(assets.ROOT / "scripts" / "bench_paired.py"), run_name="not_main")
+
+
+def test_mean_ci_is_the_t_interval():
+    xs = [10.0, 12.0, 11.0, 15.0]
+    m, h = bp["mean_ci"](xs)
+    assert m == statistics.fmean(xs)
+    assert h == pytest.approx(3.182 * statistics.stdev(xs) / 2)  # t(0.975, df=3), sqrt(4)
+    assert bp["mean_ci"]([5.0]) == (5.0, 0.0)
+    assert bp["t975"](11) == 2.228 and bp["t975"](500) == 1.96  # df 11 rounds down to 10
+
+
+def test_paired_ratio_removes_a_shared_drift():
+    """Each round's pair shares the machine's speed: the paired ratio is
+    exact even when the rounds differ by 30%, and the verdict follows its interval."""
+    drift = [1.0, 0.7, 1.3, 0.9]
+    base = [100 * d for d in drift]
+    r = bp["paired_ratio"]([97 * d for d in drift], base)
+    assert r["ratio"] == pytest.approx(0.97) and r["low"] == r["high"] == pytest.approx(0.97)
+    assert bp["verdict"](r) == "slower"
+    r = bp["paired_ratio"]([103 * d for d in drift], base)
+    assert bp["verdict"](r) == "faster"
+    r = bp["paired_ratio"]([98, 73, 131, 91], base)  # +-2-4% either way: unresolved
+    assert r["low"] < 1.0 < r["high"] and bp["verdict"](r) == "no difference resolved"
+    logs = [math.log(a / b) for a, b in zip([98, 73, 131, 91], base)]
+    assert r["ratio"] == pytest.approx(math.exp(statistics.fmean(logs)), abs=1e-4)
+
+
+def test_summary_picks_the_best_mean_baseline():
+    cells = {"vanilla": [{"tokens_per_s": x} for x in (100, 90, 110)],
+             "vLLM eagle3 K=2": [{"tokens_per_s": x} for x in (120, 100, 125)],
+             "eagle2 adaptive": [{"tokens_per_s": x} for x in (118, 99, 126)]}
+    s = bp["summarize"](cells)
+    assert s["baseline"] == "vLLM eagle3 K=2"
+    assert s["adaptive_over_baseline"]["each"] == [round(118 / 120, 4), 0.99, 1.008]
+    assert s["adaptive_over_vanilla"]["ratio"] > 1.1
+
+
+def test_chain_ks_are_checked():
+    assert bp["parse_chain_ks"](["1=2,3,4"], [1, 4, 16]) == {1: [2, 3, 4], 4: [2, 3], 16: [2]}
+    with pytest.raises(SystemExit, match="BATCH=K"):
+        bp["parse_chain_ks"](["8=2"], [1, 16])
