@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_eagle_tree.core import (TreeBatch, apply_sampling_params, draw_tokens,
-                                  exponential_noise, verify, walk_trees)
+                                  exponential_noise, verify, walk_chains, walk_trees)
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -361,6 +361,44 @@ def test_greedy_ties_take_first_index():
 
 
 # ------------------------------------------------------------------- walk
+@pytest.mark.parametrize("length", [1, 2, 4, 7])
+def test_walk_chains_equals_walk_trees(length):
+    """The chain arms' walk gives walk_trees' result exactly: draws that match
+    the chain for a random number of depths, then anything."""
+    g = torch.Generator().manual_seed(length)
+    for _ in range(30):
+        B = int(torch.randint(1, 9, (1,), generator=g))
+        tok = torch.randint(0, 5, (B, length), generator=g)
+        draws = torch.randint(0, 5, (B, length), generator=g)
+        for b in range(B):  # match a random prefix, so that long accepts occur
+            m = int(torch.randint(0, length, (1,), generator=g))
+            draws[b, :m] = tok[b, 1:m + 1]
+        tree = TreeBatch.from_parents([[-1] + list(range(length - 1))] * B, tok.tolist())
+        want, got = walk_trees(draws.reshape(-1), tree), walk_chains(draws.reshape(-1), tree, length)
+        for f in ("num_accepted", "accepted_nodes", "accepted_tokens", "bonus_token"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
+    with pytest.raises(ValueError, match="not 2 chains of 3"):
+        walk_chains(torch.zeros(4), TreeBatch.from_parents([[-1, 0]] * 2, [[1, 2]] * 2), 3)
+
+
+def test_verify_with_chain_length_is_verify():
+    """verify(..., chain_length=) draws the same tokens (same noise, seeded
+    generators) and accepts the same paths, greedy and sampled."""
+    B, n, V = 5, 4, 6
+    g = torch.Generator().manual_seed(0)
+    tree = TreeBatch.from_parents([[-1, 0, 1, 2]] * B,
+                                  torch.randint(0, V, (B, n), generator=g).tolist())
+    logits = torch.randn(B * n, V, generator=g) * 3
+    for temp in (0.0, 0.7):
+        t = torch.full((B,), temp)
+        k, p = torch.zeros(B, dtype=torch.int64), torch.ones(B)
+        a = verify(tree, logits, t, k, p, [torch.Generator().manual_seed(b) for b in range(B)])
+        c = verify(tree, logits, t, k, p, [torch.Generator().manual_seed(b) for b in range(B)],
+                   chain_length=n)
+        for f in ("num_accepted", "accepted_nodes", "accepted_tokens", "bonus_token"):
+            assert torch.equal(getattr(a, f), getattr(c, f)), (temp, f)
+
+
 def test_walk_trees_handmade():
     tree = TreeBatch.from_parents(
         [[-1, 0, 0, 1, 2, 4], [-1], [-1, 0, 1, 2]],

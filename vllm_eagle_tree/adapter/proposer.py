@@ -35,7 +35,7 @@ from ..core.budget import chain_length
 from ..core.tree import pack_bits
 from .attention import TreeAttention, TreeOnlyMetadata
 
-__all__ = ["FirstPassRows", "PendingRows", "TreeDrafter", "chain_mask"]
+__all__ = ["FirstPassRows", "PendingRows", "TreeDrafter", "chain_mask", "full_mask"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -43,6 +43,13 @@ def chain_mask(n: int) -> torch.Tensor:
     """int32 [n, ceil(n/32)]: packed causal mask of n consecutive rows
     (cached: the same few sizes every step; callers copy it, never write it)."""
     return pack_bits(torch.ones(n, n, dtype=torch.bool).tril())
+
+
+@functools.lru_cache(maxsize=256)
+def full_mask(rows: int, n: int) -> torch.Tensor:
+    """int32 [rows, ceil(n/32)]: every row sees all n trailing keys (a chain
+    node's ancestors; cached and read only, as :func:`chain_mask`)."""
+    return pack_bits(torch.ones(rows, n, dtype=torch.bool))
 
 
 @dataclass
@@ -54,7 +61,7 @@ class FirstPassRows:
         src_rows:    target query rows whose features feed the draft (m+1 of them).
         next_tokens: the m+1 draft input tokens (shifted by one).
         context_len: ``ctx``: draft positions/slots are ``ctx + 0..m``.
-        slots:       int64 [m+1] physical slots of those positions.
+        slots:       the m+1 physical slots of those positions.
         grow_tree:   whether to expand a tree after the first pass.
         pending:     rows of earlier steps whose first pass was skipped (the
                      planner chose no speculation), run first: their target
@@ -66,7 +73,7 @@ class FirstPassRows:
     src_rows: list[int]
     next_tokens: list[int]
     context_len: int
-    slots: torch.Tensor
+    slots: list[int]
     grow_tree: bool
     pending: "PendingRows | None" = None
 
@@ -76,9 +83,9 @@ class FirstPassRows:
         return (self.pending.next_tokens if self.pending else []) + self.next_tokens
 
     @property
-    def all_slots(self) -> torch.Tensor:
+    def all_slots(self) -> list[int]:
         """Slots of those rows."""
-        return self.slots if self.pending is None else torch.cat([self.pending.slots, self.slots])
+        return self.slots if self.pending is None else self.pending.slots + self.slots
 
 
 class PendingRows:
@@ -91,20 +98,16 @@ class PendingRows:
         self.start = start
         self._features: list[torch.Tensor] = []
         self.next_tokens: list[int] = []
-        self._slots: list[torch.Tensor] = []
+        self.slots: list[int] = []
 
-    def extend(self, features: torch.Tensor, next_tokens: list[int], slots: torch.Tensor):
+    def extend(self, features: torch.Tensor, next_tokens: list[int], slots: list[int]):
         self._features.append(features)
         self.next_tokens.extend(next_tokens)
-        self._slots.append(slots)
+        self.slots.extend(slots)
 
     @property
     def features(self) -> torch.Tensor:
         return torch.cat(self._features)
-
-    @property
-    def slots(self) -> torch.Tensor:
-        return torch.cat(self._slots)
 
     def __len__(self) -> int:
         return len(self.next_tokens)
@@ -195,9 +198,10 @@ class TreeDrafter:
         feats = self.model.combine_hidden_states(raw) if self.is_eagle3 else raw
         sizes = [len(q.tokens) for q in reqs]
         tokens = torch.tensor([t for q in reqs for t in q.tokens], dtype=torch.long, device=device)
-        positions = torch.cat([q.context_len + torch.arange(n, device=device)
-                               for q, n in zip(reqs, sizes)])
-        slots = torch.cat([q.all_slots for q in reqs]).to(device)
+        positions = torch.tensor([q.context_len + j for q, n in zip(reqs, sizes)
+                                  for j in range(n)], dtype=torch.long, device=device)
+        slots = torch.tensor([x for q in reqs for x in q.all_slots], dtype=torch.long,
+                             device=device)
         rows_bt = block_table[[q.batch_index for q in reqs]]
         cu = torch.zeros(len(reqs) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(sizes), 0)
@@ -299,7 +303,7 @@ class TreeDrafter:
             attn = TreeAttention(
                 rows=torch.arange(B), cu_q_lens=torch.arange(B + 1, dtype=torch.int32),
                 seq_lens=(commit + d).to(torch.int32), tree_lens=ones * d,
-                tree_mask=pack_bits(torch.ones(B, d, dtype=torch.bool)),
+                tree_mask=full_mask(B, d),
                 block_table=block_rows)
             lh, hidden = self._run(tok, pos, hidden, self._slots(block_rows, pos.unsqueeze(1)),
                                    attn)

@@ -335,8 +335,8 @@ class TreeRunnerMixin:
         rows_per_req = np.asarray(spec_decode_metadata.num_draft_tokens) + 1
         start = np.concatenate([[0], np.cumsum(rows_per_req)[:-1]])
         sizes = tree.sizes.tolist()
-        rows = torch.cat([int(start[i]) + torch.arange(n)
-                          for i, n in zip(step.batch_index, sizes)]).to(logits.device)
+        rows = torch.tensor([int(start[i]) + j for i, n in zip(step.batch_index, sizes)
+                             for j in range(n)], device=logits.device)
         temp, top_k, top_p, gens = [], [], [], []
         for req_id in step.req_ids:
             st = self.requests[req_id]
@@ -345,9 +345,11 @@ class TreeRunnerMixin:
             top_k.append(sp.top_k if sp.top_k is not None else 0)
             top_p.append(sp.top_p)
             gens.append(st.generator)
+        # every tree a chain of one length (a chain arm): the cheaper walk
+        chain = sizes[0] if not step.masked and len(set(sizes)) == 1 else None
         res = verify(tree, logits[rows], torch.tensor(temp, dtype=torch.float32),
                      torch.tensor(top_k, dtype=torch.int64),
-                     torch.tensor(top_p, dtype=torch.float32), gens)
+                     torch.tensor(top_p, dtype=torch.float32), gens, chain_length=chain)
         sampled = out.sampled_token_ids
         num_acc = res.num_accepted.tolist()
         self._step_emitted += sum(num_acc)
@@ -401,9 +403,10 @@ class TreeRunnerMixin:
         s["steps"] += 1
         s["tree_requests"] += tree.num_requests
         s["nodes"] += tree.total - tree.num_requests
-        depth_counts = torch.bincount(tree.depth.long(), minlength=len(s["drafted_per_depth"]) + 1)
+        depth_counts = torch.bincount(tree.depth.long(),
+                                      minlength=len(s["drafted_per_depth"]) + 1).tolist()
         for d in range(1, len(s["drafted_per_depth"]) + 1):
-            s["drafted_per_depth"][d - 1] += int(depth_counts[d])
+            s["drafted_per_depth"][d - 1] += depth_counts[d]
         for n in res.num_accepted.tolist():
             for d in range(n):
                 s["accepted_per_depth"][d] += 1
@@ -422,7 +425,9 @@ class TreeRunnerMixin:
         discard = self.discard_request_mask.np[:num_reqs]
         sampled = sampled_token_ids.tolist() if torch.is_tensor(sampled_token_ids) \
             else sampled_token_ids
-        flat_slots = self.input_batch.block_table[0].slot_mapping.cpu
+        # the step's slots, read once (a per-request slice costs ops at batch 64)
+        flat_slots = self.input_batch.block_table[0].slot_mapping.cpu[
+            :int(qsl[num_reqs])].tolist()
         max_len = self.max_model_len
         scratch = self.eagle2.draft_scratch_slots
         planner = self.tree_planner
@@ -438,7 +443,7 @@ class TreeRunnerMixin:
         self._draft_arm = arm
         skip = arm == "plain"
         reqs: list[FirstPassRows] = []
-        held: list[tuple[str, PendingRows, int, list[int], torch.Tensor]] = []
+        held: list[tuple[str, PendingRows, int, list[int], list[int]]] = []
         for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
             if req_id not in self._fallback:  # sampling parameters never change
                 self._fallback[req_id] = tree_fallback_reason(self.requests[req_id])
@@ -454,7 +459,11 @@ class TreeRunnerMixin:
             if i in step.accepted:
                 nodes, bonus = step.accepted[i]
                 src = [q0] + [q0 + a for a in nodes]
-                nxt = [int(self.input_ids.cpu[q0 + a]) for a in nodes] + [bonus]
+                if nodes:  # one read of the request's rows (element reads cost an op each)
+                    ids = self.input_ids.cpu[q0:q0 + nodes[-1] + 1].tolist()
+                    nxt = [ids[a] for a in nodes] + [bonus]
+                else:
+                    nxt = [bonus]
             else:
                 src = list(range(q0, q0 + n_sched))
                 if discard[i]:
@@ -462,11 +471,11 @@ class TreeRunnerMixin:
                 else:
                     valid = [t for t in sampled[i] if t >= 0]
                     nxt_tok = valid[-1]
-                nxt = [int(self.input_ids.cpu[r]) for r in src[1:]] + [int(nxt_tok)]
+                nxt = self.input_ids.cpu[q0 + 1:q0 + n_sched].tolist() + [int(nxt_tok)]
             m = len(src)
             commit = ctx + m
             grow = (not discard[i]) and commit + scratch < max_len and not skip
-            slots = flat_slots[q0:q0 + m].clone()
+            slots = flat_slots[q0:q0 + m]
             pending = self._pending.pop(req_id, None)
             if pending is not None and pending.end != ctx:
                 pending = None  # not contiguous with this step (cannot happen; be safe)

@@ -7,11 +7,11 @@ from .expander import (Expansion, Frontier, StepFn, TreeConfig, expand_tree,
 from .tree import TreeBatch, pack_bits
 from .verification import (SAMPLING_EPS, VerifyResult, apply_sampling_params,
                            draw_tokens, expand_to_nodes, exponential_noise, verify,
-                           walk_trees)
+                           walk_chains, walk_trees)
 
 __all__ = [
     "TreeBatch", "pack_bits",
     "TreeConfig", "Frontier", "Expansion", "StepFn", "expand_tree", "expand_tree_detailed",
     "SAMPLING_EPS", "VerifyResult", "apply_sampling_params", "exponential_noise",
-    "draw_tokens", "walk_trees", "verify", "expand_to_nodes",
+    "draw_tokens", "walk_trees", "walk_chains", "verify", "expand_to_nodes",
 ]
