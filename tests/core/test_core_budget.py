@@ -485,3 +485,29 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
     assert best() is None
     bandit.speculation_margin = bandit.margin = 0.0
     assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "chain-2"
+
+
+def test_shape_bandit_walks_on_only_past_arms_near_their_bar():
+    """The local search tries the arm past a measured neighbour only when that
+    neighbour came within margin (2%) of the bar it must clear: with plain
+    best, chain-1 must come within 2% of beating plain by 10%, not of plain
+    itself (at batch 64 that walked through chain-2..4, each far slower)."""
+    from vllm_eagle_tree.core.budget import ShapeBandit, chain_length
+
+    bandit = ShapeBandit(max_depth=3)
+
+    def pick(**rates):
+        bandit.stats = {0: {}}
+        bandit._waited = {}
+        for a, r in rates.items():
+            a = a.replace("_", "-")
+            k = chain_length(a)
+            bandit.stats[0][a] = [r, 1.0, 1, r if k is None else r / bandit.chain_tokens(k)]
+        return bandit._pick(0)
+
+    assert pick(plain=100.0, chain_1=99.0) == "plain"       # 1% below plain: 11% short of its bar
+    assert pick(plain=100.0, chain_1=107.0) == "plain"      # 2.7% short
+    assert pick(plain=100.0, chain_1=108.0) == "chain-2"    # 1.8% short: may be noise
+    assert pick(chain_1=100.0, plain=90.0, chain_2=99.0) == "chain-1"  # chain-2 needs 102
+    assert pick(chain_1=100.0, plain=90.0, chain_2=100.5) == "chain-3"  # 1.5% short
+    assert pick(chain_2=100.0, plain=80.0, chain_1=97.0, chain_3=90.0) == "chain-2"

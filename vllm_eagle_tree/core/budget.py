@@ -430,9 +430,13 @@ class ShapeBandit:
       measured bucket (else chain-1);
     * while a neighbour of the bucket's best arm is unmeasured, it is tried
       (so the search walks uphill and stops at a peak), and so is the next
-      arm past a neighbour measured within ``margin`` (2%) of the best (a
-      difference that small may be noise, not a slope; a wider margin sent
-      the search through every arm at batch 16, where all were within 15%);
+      arm past a neighbour measured within ``margin`` (2%) of the bar it
+      must clear to be chosen (:meth:`_gap`: a difference that small may be
+      noise, not a slope; a wider margin sent the search through every arm
+      at batch 16, where all were within 15%). The bar includes the
+      speculation margin: with plain best, chain-2 is only tried if chain-1
+      came within 2% of beating plain by 10% (measuring against plain itself
+      walked through chain-2..4 at batch 64, each 20-40% slower than plain);
     * plain is measured in every bucket and always re-measured like a
       neighbour (at batch 16 a run started from chain-2, measured chain-1
       slower in a slow moment and never tried plain, the fastest there);
@@ -558,13 +562,12 @@ class ShapeBandit:
             if self.rate(b, "plain") is None:
                 return "plain"
             neighbours.append("plain")
-        for step in (-1, 1):  # walk on past arms within `margin` of the best (noise)
+        for step in (-1, 1):  # walk on past arms within `margin` of their bar (noise)
             j = i + step
             while 0 <= j < len(self.arms):
-                r = self.rate(b, self.arms[j])
-                if r is None:
+                if self.rate(b, self.arms[j]) is None:
                     return self.arms[j]
-                if r < (1.0 - self.margin) * self.rate(b, best):
+                if self._gap(b, best, self.arms[j]) > self.margin:
                     break
                 j += step
         waited = self._waited.setdefault(b, {})
