@@ -178,6 +178,7 @@ def _run(tmp_path: Path, spec: dict | None, name: str, ray_v2: bool) -> dict:
     for var in ("TRITON_INTERPRET", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "RAY_ADDRESS"):
         env.pop(var, None)
     worker_pids: list[int] = []
+    started = time.time()
     try:
         proc = subprocess.run([sys.executable, str(script), str(assets.TARGET), str(prompts),
                                json.dumps(spec), ray_tmp], env=env, cwd=run_dir,
@@ -201,6 +202,20 @@ def _run(tmp_path: Path, spec: dict | None, name: str, ray_v2: bool) -> dict:
             except OSError:
                 pass
         shutil.rmtree(ray_tmp, ignore_errors=True)
+        _remove_cpu_shm_segments(since=started)
+
+
+def _remove_cpu_shm_segments(since: float) -> None:
+    """Unlink the shared-memory segments vLLM's CPU TP communicator created
+    during this run (``/dev/shm/<port>-tp:...-cpushm_<rank>``): Ray stops the
+    workers before they unlink them, and a later run that draws the same port
+    then fails with "create shm in SHMManager failed. errno: 17"."""
+    for f in Path("/dev/shm").glob("*-cpushm_*"):
+        try:
+            if f.stat().st_mtime >= since - 1.0:
+                f.unlink()
+        except OSError:
+            pass
 
 
 @pytest.mark.slow
