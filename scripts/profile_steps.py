@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Where an engine step's time goes: vanilla, vLLM's chain, or one eagle2 shape.
+
+For each SHAPE (run one after another in this process, a fresh in-process
+engine each), wraps the model runner's step methods (and, for eagle2, the
+drafter's, planner's and bandit's) with wall-clock timers, generates
+REQUESTS greedy completions of 64 tokens at concurrency BATCH on the deep
+target with the EAGLE-3 head, and prints per method: total seconds, calls
+and milliseconds per call. Nested methods are included in their callers
+(``execute_model`` contains ``_model_forward``; ``sample_tokens`` contains
+``_sample`` and ``propose_draft_token_ids``).
+
+    .venv/bin/python scripts/profile_steps.py --batch 4 --requests 24 vllm-chain-2 chain-2
+    .venv/bin/python scripts/profile_steps.py --batch 16 --requests 48 vanilla plain vanilla plain
+
+Shapes: vanilla, vllm-chain-K, or an eagle2 8x4x2 adaptive engine with the
+shape bandit forced to plain, chain-K or tree (``free`` leaves it alone).
+Alternate shapes (A B A B) to see the machine's drift. Timers cost a few
+microseconds per call.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+RUNNER = ("execute_model", "_prepare_inputs", "_build_attention_metadata", "_model_forward",
+          "sample_tokens", "_sample", "propose_draft_token_ids", "_bookkeeping_sync")
+TREE_DRAFTER = ("draft", "_run", "_draft_chain", "_logprobs")
+PLANNER = ("observe_acceptance", "observe_verify", "prune")
+BANDIT = ("choose", "observe", "observe_chain")
+VLLM_DRAFTER = ("propose",)
+
+
+class Timers:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, obj, names, prefix=""):
+        """Time ``obj.<name>`` for each name it has (an instance attribute
+        shadowing the method: this engine only)."""
+        for name in names:
+            f = getattr(obj, name, None)
+            if f is None or not callable(f):
+                continue
+            key = prefix + name
+
+            def timed(*a, _f=f, _k=key, **k):
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    self.seconds[_k] = self.seconds.get(_k, 0.0) + time.perf_counter() - t
+                    self.calls[_k] = self.calls.get(_k, 0) + 1
+            setattr(obj, name, timed)
+
+    def clear(self):
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def main():
+    from vllm import LLM, SamplingParams
+
+    from bench_baseline import _scheduler, speculative_config
+    from make_deep_target import build
+    from vllm_eagle_tree import assets
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shapes", nargs="+")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=24)
+    args = ap.parse_args()
+
+    target = build(assets.DEEP_TARGET, extra_layers=60)
+    prompts = assets.heldout_prompts()
+    for shape in args.shapes:
+        if shape == "vanilla":
+            spec = None
+        elif shape.startswith("vllm-chain-"):
+            spec = speculative_config("eagle3", int(shape.rsplit("-", 1)[1]))
+        else:
+            spec = speculative_config("eagle2-eagle3", "8x4x2g")
+        llm = LLM(model=str(target), speculative_config=spec, dtype="float32",
+                  enforce_eager=True, max_model_len=1024, disable_log_stats=False, seed=0,
+                  max_num_seqs=64)
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        eagle2 = spec is not None and spec["method"] == "eagle2"
+        if eagle2 and shape != "free":
+            if shape not in runner.tree_bandit.arms:
+                raise SystemExit(f"shape {shape!r}: one of vanilla, vllm-chain-K, free, "
+                                 f"{', '.join(runner.tree_bandit.arms)}")
+            runner.tree_bandit._pick = lambda bucket, s=shape: s
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+        timers = Timers()
+        timers.wrap(runner, RUNNER)
+        if eagle2:
+            timers.wrap(runner.tree_drafter, TREE_DRAFTER, "drafter.")
+            timers.wrap(runner.tree_planner, PLANNER, "planner.")
+            timers.wrap(runner.tree_bandit, BANDIT, "bandit.")
+        elif spec is not None:
+            timers.wrap(runner.drafter, VLLM_DRAFTER, "drafter.")
+        timers.clear()
+        _scheduler(llm).max_num_active_reqs = args.batch
+        t = time.perf_counter()
+        outs = llm.generate([prompts[i % len(prompts)] for i in range(args.requests)],
+                            SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                            use_tqdm=False)
+        dt = time.perf_counter() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"== {shape}, batch {args.batch}: {n / dt:.1f} tok/s, {dt:.2f} s, "
+              f"{timers.calls.get('execute_model', 0)} engine steps")
+        for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
+            c = timers.calls[k]
+            print(f"   {k:30s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call")
+        del llm, runner
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
