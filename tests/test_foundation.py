@@ -53,7 +53,7 @@ def test_scripts_do_not_expose_triton_kernels():
     """Loading a script the README runs must not make the repo's
     triton_kernels/ importable as a top-level module."""
     for script in ("demo.py", "bench_baseline.py", "bench_paired.py", "bench_tau.py", "build_pair.py",
-                   "make_deep_target.py"):
+                   "make_deep_target.py", "profile_steps.py"):
         code = (f"import runpy, importlib.util; runpy.run_path({str(assets.ROOT / 'scripts' / script)!r}, "
                 "run_name='not_main'); print(importlib.util.find_spec('triton_kernels'))")
         out = subprocess.run([sys.executable, "-P", "-c", code], cwd=assets.ROOT,
