@@ -4,7 +4,8 @@ vLLM's CPU attention kernel takes no mask, so a tree cannot go through it.
 :class:`TreeCPUAttentionImpl` keeps vLLM's kernel for every row (skipped when
 every row of the step is a tree row) and then recomputes the rows of tree
 requests over the same paged cache with the fused C++ op of
-``adapter/cpu_tree_attention.cpp`` (or, where it cannot be built, the PyTorch ``TreeAttentionPlan`` of ``adapter.cpu_tree_attention``),
+``adapter/cpu_tree_attention.cpp`` (or, where it cannot be built, the
+PyTorch ``TreeAttentionPlan`` of ``adapter.cpu_tree_attention``),
 overwriting them:
 
 * target verify pass: the runner attaches a :class:`TreeAttention` to the

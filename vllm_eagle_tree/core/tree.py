@@ -90,14 +90,13 @@ class TreeBatch:
                     raise ValueError(
                         f"request {b}: node {i} has parent {p[i]}; parents must come "
                         f"first (0 <= parent < node)")
-            if len({(p[i], t[i]) for i in range(1, len(p))}) != len(p) - 1:
-                seen: set = set()
-                for i in range(1, len(p)):
-                    if (p[i], t[i]) in seen:
-                        raise ValueError(
-                            f"request {b}: node {p[i]} has two children with token {t[i]}; "
-                            f"child tokens of a node must be distinct")
-                    seen.add((p[i], t[i]))
+            children: set[tuple[int, int]] = set()
+            for i in range(1, len(p)):
+                if (p[i], t[i]) in children:
+                    raise ValueError(
+                        f"request {b}: node {p[i]} has two children with token {t[i]}; "
+                        f"child tokens of a node must be distinct")
+                children.add((p[i], t[i]))
         depth: list[int] = []
         for p in parents:
             d = [0] * len(p)

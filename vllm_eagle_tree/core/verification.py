@@ -261,6 +261,7 @@ def verify(
         raise ValueError(f"logits must be [total={tree.total}, V], got {tuple(logits.shape)}")
     if generators is None:
         generators = [None] * B
+
     def walk(draws):
         return walk_trees(draws, tree) if chain_length is None else \
             walk_chains(draws, tree, chain_length)
