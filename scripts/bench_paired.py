@@ -16,6 +16,12 @@ whose geometric mean and 95% t-interval (on log ratios) are reported.
 
     .venv/bin/python scripts/bench_paired.py --rounds 6
     .venv/bin/python scripts/bench_paired.py --batch-sizes 4 --chain-ks 4=2,3 --rounds 8
+    .venv/bin/python scripts/bench_paired.py --batch-sizes 16 --shapes plain chain-2 --rounds 4
+
+``--shapes`` adds diagnostic cells: the adaptive engine with its shape
+bandit pinned to one shape (plain, chain-K, tree), which separates what a
+shape costs from what choosing among them costs. They are never the
+baseline.
 
 Writes results/eagle2_paired.json (every cell, as it completes) and .png,
 and prints a markdown table.
@@ -93,16 +99,25 @@ def parse_chain_ks(items: list[str], batch_sizes: list[int]) -> dict[int, list[i
     return out
 
 
+FORCED = "eagle2-forced"
+
+
 def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
-    """One fresh engine: an untimed pass of ``bs`` requests, then the timed cell."""
+    """One fresh engine: an untimed pass of ``bs`` requests, then the timed cell.
+    ``method`` FORCED: the adaptive engine with its bandit pinned to shape ``k``."""
     from vllm import LLM
 
     from bench_baseline import _scheduler, request_params, speculative_config
     from vllm_eagle_tree.metrics import spec_counters
 
-    spec = speculative_config(method, k)
+    spec = speculative_config(*(ADAPTIVE if method == FORCED else (method, k)))
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
               max_model_len=1024, disable_log_stats=False, seed=0, max_num_seqs=64)
+    if method == FORCED:
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        if k not in runner.tree_bandit.arms:
+            raise SystemExit(f"--shapes {k!r}: one of {', '.join(runner.tree_bandit.arms)}")
+        runner.tree_bandit._pick = lambda bucket: k
     _scheduler(llm).max_num_active_reqs = bs
     warm = [prompts[-1 - i % len(prompts)] for i in range(bs)]
     llm.generate(warm, request_params(bs, max_tokens // 2), use_tqdm=False)
@@ -128,6 +143,8 @@ def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
 def label(method, k) -> str:
     if method == "vanilla":
         return "vanilla"
+    if method == FORCED:
+        return f"eagle2 {k} (forced)"
     if method == ADAPTIVE[0]:
         return "eagle2 adaptive"
     return f"vLLM {method} K={k}"
@@ -140,7 +157,8 @@ def summarize(cells: dict[str, list[dict]]) -> dict:
         xs = [c["tokens_per_s"] for c in cs]
         m, h = mean_ci(xs)
         out["methods"][name] = {"mean": round(m, 2), "ci95": round(h, 2), "each": xs}
-    others = {n: v for n, v in out["methods"].items() if n != label(*ADAPTIVE)}
+    others = {n: v for n, v in out["methods"].items()
+              if n != label(*ADAPTIVE) and not n.endswith("(forced)")}
     ours = out["methods"].get(label(*ADAPTIVE))
     if others and ours and len(ours["each"]) == len(next(iter(others.values()))["each"]):
         best = max(others, key=lambda n: others[n]["mean"])
@@ -149,6 +167,9 @@ def summarize(cells: dict[str, list[dict]]) -> dict:
         out["adaptive_over_baseline"] = dict(r, verdict=verdict(r))
         if "vanilla" in others and best != "vanilla":
             out["adaptive_over_vanilla"] = paired_ratio(ours["each"], others["vanilla"]["each"])
+        # every other method against the same baseline (forced shapes: what a shape costs)
+        out["over_baseline"] = {n: paired_ratio(v["each"], others[best]["each"])
+                                for n, v in out["methods"].items() if n != best}
     return out
 
 
@@ -213,6 +234,8 @@ def main():
     ap.add_argument("--chain-ks", nargs="*", default=[], metavar="BATCH=K,K",
                     help="vLLM chain lengths per batch size (default 2 and 3; 2 only at 16 "
                          "and 64, where K=3 measured 10-20%% slower than K=2 in every run)")
+    ap.add_argument("--shapes", nargs="*", default=[],
+                    help="diagnostic cells: the adaptive engine pinned to these shapes")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-tokens-per-cell", type=int, default=2048)
@@ -229,10 +252,11 @@ def main():
     results = {"command": " ".join(sys.argv), "rounds": args.rounds,
                "max_tokens": args.max_tokens, "min_tokens_per_cell": args.min_tokens_per_cell,
                "batch_sizes": {}}
-    total = args.rounds * sum(len(chain_ks[b]) + 2 for b in args.batch_sizes)
+    total = args.rounds * sum(len(chain_ks[b]) + 2 + len(args.shapes) for b in args.batch_sizes)
     done, t0 = 0, time.time()
     for bs in args.batch_sizes:
-        specs = [("vanilla", 0)] + [("eagle3", k) for k in chain_ks[bs]] + [ADAPTIVE]
+        specs = [("vanilla", 0)] + [("eagle3", k) for k in chain_ks[bs]] + [ADAPTIVE] \
+            + [(FORCED, s) for s in args.shapes]
         res = results["batch_sizes"].setdefault(str(bs), {"cells": {label(*s): [] for s in specs}})
         for r in range(args.rounds):
             order = specs[r % len(specs):] + specs[:r % len(specs)]  # rotate who goes first

@@ -49,3 +49,14 @@ def test_chain_ks_are_checked():
     assert bp["parse_chain_ks"](["1=2,3,4"], [1, 4, 16]) == {1: [2, 3, 4], 4: [2, 3], 16: [2]}
     with pytest.raises(SystemExit, match="BATCH=K"):
         bp["parse_chain_ks"](["8=2"], [1, 16])
+
+
+def test_forced_shapes_are_never_the_baseline():
+    cells = {"vanilla": [{"tokens_per_s": x} for x in (100, 90, 110)],
+             "eagle2 chain-2 (forced)": [{"tokens_per_s": x} for x in (150, 140, 160)],
+             "eagle2 adaptive": [{"tokens_per_s": x} for x in (120, 99, 121)]}
+    s = bp["summarize"](cells)
+    assert s["baseline"] == "vanilla"
+    assert s["over_baseline"]["eagle2 chain-2 (forced)"]["each"] == [1.5, round(140 / 90, 4),
+                                                                     round(160 / 110, 4)]
+    assert bp["label"](bp["FORCED"], "plain") == "eagle2 plain (forced)"
