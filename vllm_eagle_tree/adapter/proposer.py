@@ -24,6 +24,7 @@ root (the step's bonus token) drafts at ``R - 1``, a depth-d node at
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -203,14 +204,12 @@ class TreeDrafter:
         slots = torch.tensor([x for q in reqs for x in q.all_slots], dtype=torch.long,
                              device=device)
         rows_bt = block_table[[q.batch_index for q in reqs]]
-        cu = torch.zeros(len(reqs) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(sizes), 0)
-        w = (max(sizes) + 31) // 32
-        mask = torch.zeros(int(cu[-1]), w, dtype=torch.int32)
-        for i, n in enumerate(sizes):
-            mask[cu[i]:cu[i + 1], :(n + 31) // 32] = chain_mask(n)
+        cu_list = [0, *itertools.accumulate(sizes)]
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        # causal within each request: its j-th row is row j of the largest causal mask
+        mask = chain_mask(max(sizes))[[j for n in sizes for j in range(n)]]
         attn = TreeAttention(
-            rows=torch.arange(int(cu[-1]), device=device), cu_q_lens=cu,
+            rows=torch.arange(cu_list[-1], device=device), cu_q_lens=cu,
             seq_lens=torch.tensor([q.context_len + n for q, n in zip(reqs, sizes)],
                                   dtype=torch.int32),
             tree_lens=torch.tensor(sizes, dtype=torch.int32), tree_mask=mask,
@@ -221,7 +220,7 @@ class TreeDrafter:
         out: list[tuple[list[int], list[int], list[float]] | None] = [None] * len(reqs)
         if not grow:
             return out
-        last_rows = (cu[1:] - 1).long()[grow]
+        last_rows = torch.tensor([cu_list[i + 1] - 1 for i in grow])
         root_logprobs = self._logprobs(last_h[last_rows])
         root_hidden = next_h[last_rows]
         root_tokens = torch.tensor([reqs[i].next_tokens[-1] for i in grow], dtype=torch.long)
