@@ -76,6 +76,24 @@ def _scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def _runner(llm):
+    """The in-process engine's model runner (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def pin_shape(llm, shape: str, option: str, others: tuple[str, ...] = ()):
+    """Pin an eagle2 engine's shape bandit to ``shape`` (its windows are
+    still measured) and return the runner. A shape that is not one of the
+    bandit's arms exits naming ``option`` and what is allowed (``others``:
+    the script's own choices besides the arms)."""
+    runner = _runner(llm)
+    arms = runner.tree_bandit.arms
+    if shape not in arms:
+        raise SystemExit(f"{option} {shape!r}: one of {', '.join([*others, *arms])}")
+    runner.tree_bandit._pick = lambda bucket: shape
+    return runner
+
+
 def request_params(n: int, max_tokens: int, spread: float = 0.0):
     """Greedy SamplingParams for ``n`` requests, ``ignore_eos``: each generates
     ``max_tokens`` tokens, or with ``spread`` > 0 a length drawn uniformly

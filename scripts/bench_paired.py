@@ -107,17 +107,14 @@ def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
     ``method`` FORCED: the adaptive engine with its bandit pinned to shape ``k``."""
     from vllm import LLM
 
-    from bench_baseline import _scheduler, request_params, speculative_config
+    from bench_baseline import _scheduler, pin_shape, request_params, speculative_config
     from vllm_eagle_tree.metrics import spec_counters
 
     spec = speculative_config(*(ADAPTIVE if method == FORCED else (method, k)))
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
               max_model_len=1024, disable_log_stats=False, seed=0, max_num_seqs=64)
     if method == FORCED:
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        if k not in runner.tree_bandit.arms:
-            raise SystemExit(f"--shapes {k!r}: one of {', '.join(runner.tree_bandit.arms)}")
-        runner.tree_bandit._pick = lambda bucket: k
+        pin_shape(llm, k, "--shapes")
     _scheduler(llm).max_num_active_reqs = bs
     warm = [prompts[-1 - i % len(prompts)] for i in range(bs)]
     llm.generate(warm, request_params(bs, max_tokens // 2), use_tqdm=False)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def main():
     from vllm import LLM, SamplingParams
 
-    from bench_baseline import _scheduler, speculative_config
+    from bench_baseline import _runner, _scheduler, pin_shape, speculative_config
     from make_deep_target import build
     from vllm_eagle_tree import assets
 
@@ -59,12 +59,10 @@ def main():
               max_model_len=1024, disable_log_stats=False, seed=0, max_num_seqs=64)
     bandit = runner = None
     if spec is not None and spec["method"] == "eagle2":
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner = _runner(llm)
         bandit = runner.tree_bandit
         if args.shape != "free":
-            if args.shape not in bandit.arms:
-                raise SystemExit(f"--shape must be one of {bandit.arms}, free, vanilla, vllm-chain-K")
-            bandit._pick = lambda bucket: args.shape  # windows still measured
+            pin_shape(llm, args.shape, "--shape", others=("vanilla", "vllm-chain-K", "free"))
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     steps = []

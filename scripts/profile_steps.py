@@ -71,7 +71,7 @@ class Timers:
 def main():
     from vllm import LLM, SamplingParams
 
-    from bench_baseline import _scheduler, speculative_config
+    from bench_baseline import _runner, _scheduler, pin_shape, speculative_config
     from make_deep_target import build
     from vllm_eagle_tree import assets
 
@@ -94,13 +94,10 @@ def main():
         llm = LLM(model=str(target), speculative_config=spec, dtype="float32",
                   enforce_eager=True, max_model_len=1024, disable_log_stats=False, seed=0,
                   max_num_seqs=64)
-        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner = _runner(llm)
         eagle2 = spec is not None and spec["method"] == "eagle2"
         if eagle2 and shape != "free":
-            if shape not in runner.tree_bandit.arms:
-                raise SystemExit(f"shape {shape!r}: one of vanilla, vllm-chain-K, free, "
-                                 f"{', '.join(runner.tree_bandit.arms)}")
-            runner.tree_bandit._pick = lambda bucket, s=shape: s
+            pin_shape(llm, shape, "shape", others=("vanilla", "vllm-chain-K", "free"))
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         timers = Timers()
         timers.wrap(runner, RUNNER)
