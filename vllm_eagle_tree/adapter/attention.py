@@ -82,9 +82,7 @@ class TreeAttention:
 
     def _fused_args(self):
         """Per-step (layer-independent) index tensors of the fused op."""
-        cu = self.cu_q_lens.long()
-        n = cu[1:] - cu[:-1]
-        row_req = torch.arange(n.numel()).repeat_interleave(n)
+        row_req = torch.repeat_interleave(self.cu_q_lens.long().diff())  # request of each row
         tl = self.tree_lens.long()
         return (self.rows.long().contiguous(), self.block_table.to(torch.int32).contiguous(),
                 row_req.contiguous(), (self.seq_lens.long() - tl).contiguous(), tl.contiguous(),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -284,25 +283,25 @@ class TreeDrafter:
         ``expand_tree`` grows with ``top_k=1`` and no pruning (same tokens, path
         values, draft positions and scratch slots ``R + d - 1``; a test holds
         them equal), in ``K - 1`` head forwards without its candidate
-        bookkeeping. Returns (parents, tokens [B][K+1], values [B][K+1])."""
+        bookkeeping. ``logprobs`` [B, V]: the head's at the roots (NaN is
+        not masked to -inf here, unlike ``expand_tree``). Returns (parents, tokens
+        [B][K+1], values [B][K+1])."""
         B = root_tokens.numel()
         value = torch.zeros(B)
         tokens, values = [root_tokens.long()], [value]
-        ones = torch.ones(B, dtype=torch.int32)
+        rows, cu = torch.arange(B), torch.arange(B + 1, dtype=torch.int32)
         for d in range(1, K + 1):
-            lp = logprobs.float()
-            top = torch.topk(lp.masked_fill(torch.isnan(lp), -math.inf), 1, dim=-1)
-            value = value + top.values[:, 0].clamp(max=0.0)
-            tok = top.indices[:, 0]
+            # the most likely child (max: the first of equal maxima; topk(1) is slower on CPU)
+            best, tok = logprobs.max(-1)
+            value = value + best.clamp(max=0.0)
             tokens.append(tok)
             values.append(value)
             if d == K:
                 break
             pos = commit + (d - 1)  # draft position of a depth-d node, and its scratch slot
             attn = TreeAttention(
-                rows=torch.arange(B), cu_q_lens=torch.arange(B + 1, dtype=torch.int32),
-                seq_lens=(commit + d).to(torch.int32), tree_lens=ones * d,
-                tree_mask=full_mask(B, d),
+                rows=rows, cu_q_lens=cu, seq_lens=(commit + d).to(torch.int32),
+                tree_lens=torch.full((B,), d, dtype=torch.int32), tree_mask=full_mask(B, d),
                 block_table=block_rows)
             lh, hidden = self._run(tok, pos, hidden, self._slots(block_rows, pos.unsqueeze(1)),
                                    attn)

@@ -32,7 +32,6 @@ import logging
 import math
 import time
 
-import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -337,25 +336,27 @@ class TreeRunnerMixin:
             return out
         assert spec_decode_metadata is not None
         tree = step.tree
-        # logits rows: num_draft + 1 per request, in batch order
-        rows_per_req = np.asarray(spec_decode_metadata.num_draft_tokens) + 1
-        start = np.concatenate([[0], np.cumsum(rows_per_req)[:-1]])
-        sizes = tree.sizes.tolist()
-        rows = torch.tensor([int(start[i]) + j for i, n in zip(step.batch_index, sizes)
-                             for j in range(n)], device=logits.device)
-        temp, top_k, top_p, gens = [], [], [], []
-        for req_id in step.req_ids:
-            st = self.requests[req_id]
-            sp = st.sampling_params
-            temp.append(sp.temperature)
-            top_k.append(sp.top_k if sp.top_k is not None else 0)
-            top_p.append(sp.top_p)
-            gens.append(st.generator)
+        idx = step.batch_index
+        if tree.total == logits.shape[0]:
+            tree_logits = logits  # every row a tree row (no prefills or plain decodes)
+        else:
+            # logits rows: num_draft + 1 per request, in batch order, so
+            # request i's first row is its bonus row minus its draft count
+            first = (spec_decode_metadata.bonus_logits_indices.cpu()
+                     - torch.tensor(spec_decode_metadata.num_draft_tokens))[idx]
+            rows = torch.arange(tree.total) + torch.repeat_interleave(
+                first - tree.cu_nodes[:-1].long(), tree.sizes.long(), output_size=tree.total)
+            tree_logits = logits[rows.to(logits.device)]
+        # the requests' sampling parameters as vLLM's sampler reads them
+        # (greedy: temperature 0; top-k off: the vocabulary size)
+        batch = self.input_batch
+        gens = None if batch.all_greedy else [batch.generators.get(i) for i in idx]
         # every tree a chain of one length (a chain arm): the cheaper walk
-        chain = sizes[0] if not step.masked and len(set(sizes)) == 1 else None
-        res = verify(tree, logits[rows], torch.tensor(temp, dtype=torch.float32),
-                     torch.tensor(top_k, dtype=torch.int64),
-                     torch.tensor(top_p, dtype=torch.float32), gens, chain_length=chain)
+        sizes = {len(parents) for parents, _ in step.trees}
+        chain = sizes.pop() if not step.masked and len(sizes) == 1 else None
+        res = verify(tree, tree_logits, torch.from_numpy(batch.temperature_cpu[idx]),
+                     torch.from_numpy(batch.top_k_cpu[idx]),
+                     torch.from_numpy(batch.top_p_cpu[idx]), gens, chain_length=chain)
         sampled = out.sampled_token_ids
         num_acc = res.num_accepted.tolist()
         self._step_emitted += sum(num_acc)
@@ -379,7 +380,7 @@ class TreeRunnerMixin:
                 [step.batch_index[j] for j in move]]
             cpu_compact_kv(self._tree_kv_caches, bt, tree.context_len[move],
                            res.num_accepted[move], res.accepted_nodes[move])
-        self._record_tree_stats(tree, res)
+        self._record_tree_stats(tree, num_acc)
         if chain_length(self._draft_arm) is not None:
             # the head's greedy chains: what every chain arm's tokens are estimated from
             self.tree_bandit.observe_chain([len(p) - 1 for p, _ in step.trees], num_acc)
@@ -409,7 +410,7 @@ class TreeRunnerMixin:
                 caches.append(kv)
         return caches
 
-    def _record_tree_stats(self, tree: TreeBatch, res) -> None:
+    def _record_tree_stats(self, tree: TreeBatch, num_accepted: list[int]) -> None:
         s = self.tree_stats
         s["steps"] += 1
         s["tree_requests"] += tree.num_requests
@@ -418,7 +419,7 @@ class TreeRunnerMixin:
                                       minlength=len(s["drafted_per_depth"]) + 1).tolist()
         for d in range(1, len(s["drafted_per_depth"]) + 1):
             s["drafted_per_depth"][d - 1] += depth_counts[d]
-        for n in res.num_accepted.tolist():
+        for n in num_accepted:
             for d in range(n):
                 s["accepted_per_depth"][d] += 1
 
