@@ -17,6 +17,7 @@ whose geometric mean and 95% t-interval (on log ratios) are reported.
     .venv/bin/python scripts/bench_paired.py --rounds 6
     .venv/bin/python scripts/bench_paired.py --batch-sizes 4 --chain-ks 4=2,3 --rounds 8
     .venv/bin/python scripts/bench_paired.py --batch-sizes 16 --shapes plain chain-2 --rounds 4
+    .venv/bin/python scripts/bench_paired.py --report results/eagle2_paired.json
 
 ``--shapes`` adds diagnostic cells: the adaptive engine with its shape
 bandit pinned to one shape (plain, chain-K, tree), which separates what a
@@ -24,7 +25,9 @@ shape costs from what choosing among them costs. They are never the
 baseline.
 
 Writes results/eagle2_paired.json (every cell, as it completes) and .png,
-and prints a markdown table.
+and prints markdown tables, the last one for keeping one setting for every
+batch size: each method's worst paired ratio to a batch size's baseline.
+``--report JSON`` recomputes all that from a saved run.
 """
 from __future__ import annotations
 
@@ -170,6 +173,24 @@ def summarize(cells: dict[str, list[dict]]) -> dict:
     return out
 
 
+def one_setting(results) -> dict:
+    """For each method measured at every batch size: its paired ratio to each
+    batch size's baseline (the baseline itself: 1) and the worst of them,
+    i.e. what a user who keeps one configuration for every load gives up
+    against the best choice for each load."""
+    sums = {b: res.get("summary", {}) for b, res in results["batch_sizes"].items()}
+    if not sums or any("baseline" not in s for s in sums.values()):
+        return {}
+    names = set.intersection(*(set(s["methods"]) for s in sums.values()))
+    out = {}
+    for n in sorted(names):
+        per = {b: 1.0 if s["baseline"] == n else s["over_baseline"][n]["ratio"]
+               for b, s in sums.items()}
+        worst = min(per, key=per.get)
+        out[n] = {"per_batch": per, "worst": per[worst], "worst_at": int(worst)}
+    return out
+
+
 def markdown(results) -> str:
     lines = ["| batch | method | tokens/s (mean ± 95% CI) | per round |", "|---|---|---|---|"]
     for b, res in results["batch_sizes"].items():
@@ -188,6 +209,15 @@ def markdown(results) -> str:
             lines.append(f"| {b} | {s['baseline']} | {r['ratio']:.3f} [{r['low']:.3f}, "
                          f"{r['high']:.3f}] | {r['verdict']} | "
                          + (f"{v['ratio']:.2f}x" if v else "-") + " |")
+    one = results.get("one_setting") or {}
+    if one:
+        bss = list(results["batch_sizes"])
+        lines += ["", "| one setting for every batch size | "
+                  + " | ".join(f"/ baseline at {b}" for b in bss) + " | worst |",
+                  "|---|" + "---|" * (len(bss) + 1)]
+        for n, v in sorted(one.items(), key=lambda kv: -kv[1]["worst"]):
+            lines.append(f"| {n} | " + " | ".join(f"{v['per_batch'][b]:.3f}" for b in bss)
+                         + f" | {v['worst']:.3f} (batch {v['worst_at']}) |")
     return "\n".join(lines)
 
 
@@ -237,7 +267,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-tokens-per-cell", type=int, default=2048)
     ap.add_argument("--out", default=str(ROOT / "results" / "eagle2_paired.json"))
+    ap.add_argument("--report", metavar="JSON",
+                    help="run nothing: recompute the summaries of a saved run, rewrite it "
+                         "and its plot, print the tables")
     args = ap.parse_args()
+    if args.report:
+        report(Path(args.report))
+        return
     if args.rounds < 2:
         raise SystemExit("--rounds must be at least 2 (a confidence interval needs two)")
     chain_ks = parse_chain_ks(args.chain_ks, args.batch_sizes)
@@ -269,10 +305,23 @@ def main():
                       f"{cell['tokens_per_s']:.1f} tok/s tau {cell['tau']:.2f}", flush=True)
             res["summary"] = summarize(res["cells"]) if r >= 1 else {}
             out.write_text(json.dumps(results, indent=1) + "\n")
-    png = out.with_suffix(".png")
+    report(out, results)
+
+
+def report(path: Path, results: dict | None = None) -> None:
+    """Summaries (per batch size and across them), JSON, plot, markdown."""
+    if results is None:
+        if not path.is_file():
+            raise SystemExit(f"--report {path}: no such file")
+        results = json.loads(path.read_text())
+    for res in results["batch_sizes"].values():
+        res["summary"] = summarize(res["cells"])
+    results["one_setting"] = one_setting(results)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    png = path.with_suffix(".png")
     plot(results, png)
     print(markdown(results))
-    print(f"\nwrote {out} and {png}")
+    print(f"\nwrote {path} and {png}")
 
 
 if __name__ == "__main__":

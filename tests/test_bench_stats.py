@@ -60,3 +60,25 @@ def test_forced_shapes_are_never_the_baseline():
     assert s["over_baseline"]["eagle2 chain-2 (forced)"]["each"] == [1.5, round(140 / 90, 4),
                                                                      round(160 / 110, 4)]
     assert bp["label"](bp["FORCED"], "plain") == "eagle2 plain (forced)"
+
+
+def test_one_setting_is_the_worst_ratio_over_batch_sizes():
+    """A method measured at every batch size gets its paired ratio to each
+    size's baseline (1 where it is the baseline) and the worst of them;
+    methods missing at some batch size are left out."""
+    def cells(**methods):
+        return {n: [{"tokens_per_s": x} for x in xs] for n, xs in methods.items()}
+    by_batch = {
+        "1": cells(vanilla=[30, 30], **{"vLLM eagle3 K=3": [60, 50],
+                                         "eagle2 adaptive": [57, 50]}),
+        "64": cells(vanilla=[400, 440], **{"eagle2 adaptive": [380, 440]}),
+    }
+    results = {"batch_sizes": {b: {"cells": c, "summary": bp["summarize"](c)}
+                               for b, c in by_batch.items()}}
+    one = bp["one_setting"](results)
+    assert set(one) == {"vanilla", "eagle2 adaptive"}  # K=3 ran at batch 1 only
+    assert one["vanilla"]["per_batch"] == {"1": 0.5477, "64": 1.0}  # sqrt(0.5 * 0.6)
+    assert one["vanilla"]["worst"] == 0.5477 and one["vanilla"]["worst_at"] == 1
+    assert one["eagle2 adaptive"]["per_batch"] == {"1": round(math.sqrt(0.95), 4),
+                                                   "64": round(math.sqrt(0.95), 4)}
+    assert "worst" in bp["markdown"](dict(results, one_setting=one))
