@@ -13,8 +13,10 @@ and milliseconds per call. Nested methods are included in their callers
     .venv/bin/python scripts/profile_steps.py --batch 4 --requests 24 vllm-chain-2 chain-2
     .venv/bin/python scripts/profile_steps.py --batch 16 --requests 48 vanilla plain vanilla plain
 
-Shapes: vanilla, vllm-chain-K, or an eagle2 8x4x2 adaptive engine with the
-shape bandit forced to plain, chain-K or tree (``free`` leaves it alone).
+Shapes: vanilla, vllm-chain-K, an eagle2 8x4x2 adaptive engine with the
+shape bandit forced to plain, chain-K or tree (``free`` leaves it alone),
+or a fixed eagle2 tree ``fixed-NxDxK`` (e.g. fixed-16x4x4: N nodes, depth
+D, top-k K, no planner).
 Alternate shapes (A B A B) to see the machine's drift. Timers cost a few
 microseconds per call.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -81,6 +84,9 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--requests", type=int, default=24)
     args = ap.parse_args()
+    for shape in args.shapes:  # checked before any engine starts
+        if shape.startswith("fixed-") and not re.fullmatch(r"fixed-\d+x\d+x\d+", shape):
+            raise SystemExit(f"shape {shape!r}: a fixed tree is fixed-NxDxK, e.g. fixed-16x4x4")
 
     target = build(assets.DEEP_TARGET, extra_layers=60)
     prompts = assets.heldout_prompts()
@@ -89,6 +95,8 @@ def main():
             spec = None
         elif shape.startswith("vllm-chain-"):
             spec = speculative_config("eagle3", int(shape.rsplit("-", 1)[1]))
+        elif shape.startswith("fixed-"):  # a fixed eagle2 tree, e.g. fixed-16x4x4
+            spec = speculative_config("eagle2-eagle3", shape[len("fixed-"):])
         else:
             spec = speculative_config("eagle2-eagle3", "8x4x2g")
         llm = LLM(model=str(target), speculative_config=spec, dtype="float32",
@@ -96,15 +104,17 @@ def main():
                   max_num_seqs=64)
         runner = _runner(llm)
         eagle2 = spec is not None and spec["method"] == "eagle2"
-        if eagle2 and shape != "free":
-            pin_shape(llm, shape, "shape", others=("vanilla", "vllm-chain-K", "free"))
+        if eagle2 and shape != "free" and not shape.startswith("fixed-"):
+            pin_shape(llm, shape, "shape",
+                      others=("vanilla", "vllm-chain-K", "free", "fixed-NxDxK"))
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         timers = Timers()
         timers.wrap(runner, RUNNER)
         if eagle2:
             timers.wrap(runner.tree_drafter, TREE_DRAFTER, "drafter.")
-            timers.wrap(runner.tree_planner, PLANNER, "planner.")
-            timers.wrap(runner.tree_bandit, BANDIT, "bandit.")
+            if runner.tree_planner is not None:  # fixed trees have no planner or bandit
+                timers.wrap(runner.tree_planner, PLANNER, "planner.")
+                timers.wrap(runner.tree_bandit, BANDIT, "bandit.")
         elif spec is not None:
             timers.wrap(runner.drafter, VLLM_DRAFTER, "drafter.")
         timers.clear()
