@@ -344,8 +344,7 @@ class TreeRunnerMixin:
             # request i's first row is its bonus row minus its draft count
             first = (spec_decode_metadata.bonus_logits_indices.cpu()
                      - torch.tensor(spec_decode_metadata.num_draft_tokens))[idx]
-            rows = torch.arange(tree.total) + torch.repeat_interleave(
-                first - tree.cu_nodes[:-1].long(), tree.sizes.long(), output_size=tree.total)
+            rows = tree.local_index + first[tree.request_index]
             tree_logits = logits[rows.to(logits.device)]
         # the requests' sampling parameters as vLLM's sampler reads them
         # (greedy: temperature 0; top-k off: the vocabulary size)
