@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 RUNNER = ("execute_model", "_prepare_inputs", "_build_attention_metadata", "_model_forward",
           "sample_tokens", "_sample", "propose_draft_token_ids", "_bookkeeping_sync")
-TREE_DRAFTER = ("draft", "_run", "_draft_chain", "_logprobs")
+TREE_DRAFTER = ("draft", "_run", "_write_kv", "_draft_chain", "_logprobs")
 PLANNER = ("observe_acceptance", "observe_verify", "prune")
 BANDIT = ("choose", "observe", "observe_chain")
 VLLM_DRAFTER = ("propose",)

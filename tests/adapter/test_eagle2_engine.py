@@ -15,7 +15,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
 from vllm_eagle_tree import assets
-from vllm_helpers import free_llm, make_llm
+from vllm_helpers import check_kv_only_first_pass, free_llm, make_llm
 
 PROMPTS = assets.heldout_prompts(200)
 MAX_TOKENS = 24
@@ -281,3 +281,12 @@ def test_vllm_spec_metrics_describe_the_trees(tree_llm):
     drafted = [a - b for a, b in zip(s1["drafted_per_depth"], s0["drafted_per_depth"])]
     assert sum(drafted) == s1["nodes"] - s0["nodes"]
     assert all(a <= d for a, d in zip(acc, drafted))
+
+
+def test_kv_only_first_pass_rows_write_the_heads_kv(tree_llm):
+    """EAGLE-1 head: a first pass's KV-only rows (``TreeDrafter._write_kv``)
+    write exactly the draft KV of the head's forward, and a first pass split
+    into KV-only rows plus last rows drafts what one forward drafts
+    (vllm_helpers.check_kv_only_first_pass; the EAGLE-3 head is checked in
+    test_eagle2_engine_variants)."""
+    assert tree_llm.collective_rpc(check_kv_only_first_pass)[0] > 0

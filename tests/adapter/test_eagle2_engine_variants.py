@@ -8,7 +8,7 @@ import pytest
 from vllm import SamplingParams
 
 from vllm_eagle_tree import assets
-from vllm_helpers import free_llm, make_llm
+from vllm_helpers import check_kv_only_first_pass, free_llm, make_llm
 
 from test_eagle2_engine import (GREEDY, MAX_TOKENS, PROMPTS, _speculated, assert_same, eagle2,
                                 in_batches, run, spec_counters)
@@ -60,14 +60,18 @@ def test_preemption_and_recompute(vanilla_greedy_200):
 
 
 def test_eagle3_head_greedy_identical(vanilla_greedy_200):
+    """Greedy identity with the EAGLE-3 head; and its KV-only first-pass
+    rows write exactly the KV its forward writes (vllm_helpers)."""
     llm = make_llm(speculative_config=eagle2("eagle3"), max_num_seqs=32)
     try:
         before = spec_counters(llm)
         got = run(llm, PROMPTS[:64], GREEDY)
         _speculated(llm, before)
+        checked = llm.collective_rpc(check_kv_only_first_pass)[0]
     finally:
         free_llm(llm)
     assert_same(got, vanilla_greedy_200[:64], "EAGLE-3 head")
+    assert checked > 0
 
 
 def test_adaptive_trees_greedy_identical(vanilla_greedy_200):

@@ -29,13 +29,25 @@ from dataclasses import dataclass, replace
 
 import torch
 from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 
 from ..core import TreeConfig, expand_tree
 from ..core.budget import chain_length
 from ..core.tree import pack_bits
 from .attention import TreeAttention, TreeOnlyMetadata
 
-__all__ = ["FirstPassRows", "PendingRows", "TreeDrafter", "chain_mask", "full_mask"]
+__all__ = ["FirstPassRows", "PendingRows", "TreeDrafter", "chain_mask", "full_mask",
+           "KV_ONLY_MIN_ROWS"]
+
+
+KV_ONLY_MIN_ROWS = 16
+"""A first pass writes the KV of the rows whose outputs nobody reads (all
+but each growing request's last row) without running the head's layer on
+them (``TreeDrafter._write_kv``) once there are at least this many; below
+that, one forward over every row costs less than two calls. (Measured on
+the 2-core dev machine, bundled EAGLE-3 head, 100 keys of context: the
+head's forward takes 0.47 ms + 21 us a row, the KV-only rows 0.18 ms + 4 us
+a row, so splitting pays from ~11 rows.)"""
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,6 +149,27 @@ class TreeDrafter:
     def model(self):
         return self.proposer.model
 
+    @functools.cached_property
+    def _kv_layer(self):
+        """The head's decoder layer when a row's draft KV can be written
+        without running the layer (:meth:`_write_kv`): vLLM 0.32's
+        ``EagleLlamaForCausalLM`` / ``Eagle3LlamaForCausalLM`` with one layer
+        (the published EAGLE-1/EAGLE-3 heads). None for any other head: its
+        rows then go through the whole forward."""
+        model = self.model
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if type(model).__name__ not in ("EagleLlamaForCausalLM", "Eagle3LlamaForCausalLM") \
+                or layers is None or len(layers) != 1:
+            return None
+        attn = getattr(layers[0], "self_attn", None)
+        if not all(hasattr(attn, a) for a in ("qkv_proj", "rotary_emb", "attn", "q_size",
+                                                "kv_size")):
+            return None
+        if not self.is_eagle3 and not hasattr(inner, "fc"):
+            return None
+        return layers[0]
+
     # ------------------------------------------------------------------ model
     def _run(self, tokens, positions, hidden, slots, attn: TreeAttention):
         """One head forward; returns (hidden for logits, hidden fed to the next step)."""
@@ -150,6 +183,36 @@ class TreeDrafter:
         if isinstance(ret, tuple):
             return ret[0], ret[1]
         return ret, ret
+
+    def _write_kv(self, tokens, positions, hidden, slots) -> None:
+        """Write the draft KV of rows whose outputs are not needed, without
+        running the rest of the head. In a one-layer head a row's key and
+        value depend only on its own token, feature and position (attention
+        mixes rows only after K/V are written), so for every row but a
+        request's last one the first pass needs just what the layer's own
+        forward computes before attention (vLLM 0.32 ``llama_eagle3`` /
+        ``llama_eagle`` + ``LlamaAttention.forward``, the same modules), then
+        vLLM's KV writer: the same values, without the attention, output
+        projection and MLP (a test holds the cache contents equal)."""
+        layer = self._kv_layer
+        inner = self.model.model
+        embeds = inner.embed_tokens(tokens.contiguous())
+        if self.is_eagle3:  # Eagle3 LlamaDecoderLayer.forward, layer 0
+            h, _ = layer._residual_norm(hidden_states=hidden.contiguous())
+            x = torch.cat([layer.input_layernorm(embeds), h], dim=-1)
+        else:  # EAGLE-1 LlamaModel.forward: fc, then layer 0 (input norm disabled)
+            x = layer.input_layernorm(inner.fc(torch.cat((embeds, hidden), dim=-1)))
+        attn = layer.self_attn
+        qkv, _ = attn.qkv_proj(x)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        _, k = attn.rotary_emb(positions.contiguous(), q, k)
+        layer_attn = attn.attn
+        name = layer_attn.layer_name
+        with set_forward_context(None, self.vllm_config, num_tokens=tokens.numel(),
+                                 slot_mapping={name: slots}):
+            unified_kv_cache_update(k.reshape(-1, layer_attn.num_kv_heads, layer_attn.head_size),
+                                    v.reshape(-1, layer_attn.num_kv_heads, layer_attn.head_size_v),
+                                    name)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)
@@ -204,24 +267,40 @@ class TreeDrafter:
                              device=device)
         rows_bt = block_table[[q.batch_index for q in reqs]]
         cu_list = [0, *itertools.accumulate(sizes)]
-        cu = torch.tensor(cu_list, dtype=torch.int32)
-        # causal within each request: its j-th row is row j of the largest causal mask
-        mask = chain_mask(max(sizes))[[j for n in sizes for j in range(n)]]
-        attn = TreeAttention(
-            rows=torch.arange(cu_list[-1], device=device), cu_q_lens=cu,
-            seq_lens=torch.tensor([q.context_len + n for q, n in zip(reqs, sizes)],
-                                  dtype=torch.int32),
-            tree_lens=torch.tensor(sizes, dtype=torch.int32), tree_mask=mask,
-            block_table=rows_bt)
-        last_h, next_h = self._run(tokens, positions, feats, slots, attn)
-
+        seq_lens = [q.context_len + n for q, n in zip(reqs, sizes)]
         grow = [i for i, q in enumerate(reqs) if q.grow_tree]
         out: list[tuple[list[int], list[int], list[float]] | None] = [None] * len(reqs)
-        if not grow:
-            return out
-        last_rows = torch.tensor([cu_list[i + 1] - 1 for i in grow])
-        root_logprobs = self._logprobs(last_h[last_rows])
-        root_hidden = next_h[last_rows]
+        last_rows = torch.tensor([cu_list[i + 1] - 1 for i in grow], dtype=torch.long)
+        if self._kv_layer is not None and cu_list[-1] - len(grow) >= KV_ONLY_MIN_ROWS:
+            # only the growing requests' last rows need the head's output
+            kv_rows = torch.ones(cu_list[-1], dtype=torch.bool)
+            kv_rows[last_rows] = False
+            self._write_kv(tokens[kv_rows], positions[kv_rows], feats[kv_rows], slots[kv_rows])
+            if not grow:
+                return out
+            G = len(grow)
+            attn = TreeAttention(
+                rows=torch.arange(G), cu_q_lens=torch.arange(G + 1, dtype=torch.int32),
+                seq_lens=torch.tensor([seq_lens[i] for i in grow], dtype=torch.int32),
+                tree_lens=torch.ones(G, dtype=torch.int32), tree_mask=full_mask(G, 1),
+                block_table=rows_bt[grow])
+            last_h, next_h = self._run(tokens[last_rows], positions[last_rows],
+                                       feats[last_rows], slots[last_rows], attn)
+        else:
+            # causal within each request: its j-th row is row j of the largest causal mask
+            mask = chain_mask(max(sizes))[[j for n in sizes for j in range(n)]]
+            attn = TreeAttention(
+                rows=torch.arange(cu_list[-1], device=device),
+                cu_q_lens=torch.tensor(cu_list, dtype=torch.int32),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                tree_lens=torch.tensor(sizes, dtype=torch.int32), tree_mask=mask,
+                block_table=rows_bt)
+            last_h, next_h = self._run(tokens, positions, feats, slots, attn)
+            if not grow:
+                return out
+            last_h, next_h = last_h[last_rows], next_h[last_rows]
+        root_logprobs = self._logprobs(last_h)
+        root_hidden = next_h
         root_tokens = torch.tensor([reqs[i].next_tokens[-1] for i in grow], dtype=torch.long)
         # R: committed tokens with KV once this step is done (the root drafts at R-1).
         commit = torch.tensor([reqs[i].context_len + sizes[i] for i in grow], dtype=torch.long)

@@ -482,7 +482,8 @@ class TreeRunnerMixin:
                 else:
                     valid = [t for t in sampled[i] if t >= 0]
                     nxt_tok = valid[-1]
-                nxt = self.input_ids.cpu[q0 + 1:q0 + n_sched].tolist() + [int(nxt_tok)]
+                nxt = [int(nxt_tok)] if n_sched == 1 else \
+                    self.input_ids.cpu[q0 + 1:q0 + n_sched].tolist() + [int(nxt_tok)]
             m = len(src)
             commit = ctx + m
             grow = (not discard[i]) and commit + scratch < max_len and not skip
