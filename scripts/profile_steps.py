@@ -18,7 +18,8 @@ shape bandit forced to plain, chain-K or tree (``free`` leaves it alone),
 or a fixed eagle2 tree ``fixed-NxDxK`` (e.g. fixed-16x4x4: N nodes, depth
 D, top-k K, no planner).
 Alternate shapes (A B A B) to see the machine's drift. Timers cost a few
-microseconds per call.
+microseconds per call. Python's garbage collections are listed too
+("gc collections, gen N": they run inside whatever method allocates).
 """
 from __future__ import annotations
 
@@ -70,6 +71,18 @@ class Timers:
         self.seconds.clear()
         self.calls.clear()
 
+    def gc_callback(self, phase, info):
+        """``gc.callbacks`` hook: Python's cyclic collections, by generation
+        (they run wherever an allocation crosses a threshold, e.g. inside
+        the model forward, so they hide in whichever method was running)."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif getattr(self, "_gc_start", None) is not None:
+            key = f"gc collections, gen {info['generation']}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - self._gc_start
+            self.calls[key] = self.calls.get(key, 0) + 1
+            self._gc_start = None
+
 
 def main():
     from vllm import LLM, SamplingParams
@@ -119,11 +132,13 @@ def main():
             timers.wrap(runner.drafter, VLLM_DRAFTER, "drafter.")
         timers.clear()
         _scheduler(llm).max_num_active_reqs = args.batch
+        gc.callbacks.append(timers.gc_callback)
         t = time.perf_counter()
         outs = llm.generate([prompts[i % len(prompts)] for i in range(args.requests)],
                             SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
                             use_tqdm=False)
         dt = time.perf_counter() - t
+        gc.callbacks.remove(timers.gc_callback)
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         print(f"== {shape}, batch {args.batch}: {n / dt:.1f} tok/s, {dt:.2f} s, "
               f"{timers.calls.get('execute_model', 0)} engine steps")
