@@ -161,20 +161,33 @@ def _set_skip_pattern(worker, period):
         return drafter._test_draft(reqs, *args, req_ids=req_ids, **kwargs)
 
     drafter.draft = draft
+    written = runner._test_written = []
+    write_held = drafter.write_held
+
+    def write_held_logged(held_by_request):
+        for rid, p in held_by_request.items():
+            written.extend((rid, p.start + j, t) for j, t in enumerate(p.next_tokens))
+        return write_held(held_by_request)
+
+    drafter.write_held = write_held_logged
     return True
 
 
 def _first_pass_log(worker):
-    return list(worker.model_runner._test_first_pass_log), list(worker.model_runner._test_flushed)
+    r = worker.model_runner
+    return list(r._test_first_pass_log), list(r._test_flushed), list(r._test_written)
 
 
 def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
     """While the planner chooses no speculation, plain decodes hold back the
     head's first pass (runner ``PendingRows``) and run it, caught up, on the
-    next drafting step, or without a tree once MAX_PENDING_ROWS are held.
-    Checked exactly: the head's input at draft position p is the sequence's
-    token p+1, for every position up to the last one it ran (no hole left by
-    a skipped step), and the output is unchanged."""
+    next drafting step, or without a tree once MAX_PENDING_ROWS are held;
+    rows still held when a request finishes are written then
+    (``TreeDrafter.write_held``, KV only). Checked exactly: the head's input
+    at draft position p is the sequence's token p+1, for every position up
+    to the last one it ran (no hole left by a skipped step), the rows
+    written at the end cover every position after that up to the last
+    token, and the output is unchanged."""
     from vllm_eagle_tree.adapter.runner import MAX_PENDING_ROWS
     from transformers import AutoTokenizer
 
@@ -188,17 +201,24 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
         before = spec_counters(llm)
         outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
         d = _speculated(llm, before)
-        log, flushed = llm.collective_rpc(_first_pass_log)[0]
+        # rows held by the requests of the last step are written on the next
+        # step (before its forward can reuse their blocks): run one
+        llm.generate(PROMPTS[16:17], SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
+        log, flushed, written = llm.collective_rpc(_first_pass_log)[0]
     finally:
         free_llm(llm)
     got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
            for o in outs]
     assert_same(got, vanilla_greedy_200[:16], "skipped first passes")
     assert d.drafts < d.draft_tokens
+    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+    ours = lambda rid: any(rid == k or rid.startswith(k + "-") for k in seqs)  # noqa: E731
+    log = [x for x in log if ours(x[0])]
+    written = [x for x in written if ours(x[0])]
     by_req: dict[str, dict[int, int]] = {}
     for rid, pos, t in log:
         by_req.setdefault(rid, {})[pos] = t  # a later pass over a position wins
-    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
     assert len(by_req) == len(seqs)
     held_back = 0
     for rid, cover in by_req.items():
@@ -209,7 +229,12 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
         bad = [p for p in range(last + 1) if cover[p] != seq[p + 1]]
         assert not bad, (rid, bad[:5])
         held_back += len(seq) - 2 - last
+        # ... and what was still held back when it finished was written then
+        tail = {pos: t for r, pos, t in written if r == rid}
+        assert sorted(tail) == list(range(last + 1, len(seq) - 1)), (rid, sorted(tail), last)
+        assert all(tail[p] == seq[p + 1] for p in tail), rid
     assert held_back > 0  # some requests ended with first passes still held back
+    assert len(written) == held_back
     assert flushed and set(flushed) == {MAX_PENDING_ROWS}, flushed
 
 

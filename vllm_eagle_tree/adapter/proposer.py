@@ -214,6 +214,26 @@ class TreeDrafter:
                                     v.reshape(-1, layer_attn.num_kv_heads, layer_attn.head_size_v),
                                     name)
 
+    @torch.inference_mode()
+    def write_held(self, held_by_request: dict[str, PendingRows]) -> bool:
+        """Write the draft KV of held-back first-pass rows of requests that
+        left the batch (no outputs needed, no attention: :meth:`_write_kv`,
+        which needs neither their block tables nor their context). Heads
+        without the KV-only path leave them unwritten (returns False): their
+        forward would need the request's whole block table."""
+        if self._kv_layer is None or not held_by_request:
+            return False
+        held = list(held_by_request.values())
+        raw = torch.cat([p.features for p in held])
+        feats = self.model.combine_hidden_states(raw) if self.is_eagle3 else raw
+        dev = raw.device
+        self._write_kv(
+            torch.tensor([t for p in held for t in p.next_tokens], dtype=torch.long, device=dev),
+            torch.tensor([p.start + j for p in held for j in range(len(p))], dtype=torch.long,
+                         device=dev),
+            feats, torch.tensor([x for p in held for x in p.slots], dtype=torch.long, device=dev))
+        return True
+
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)
         return torch.log_softmax(logits.float(), dim=-1)

@@ -220,7 +220,15 @@ class TreeRunnerMixin:
         num_reqs = self.input_batch.num_reqs
         qsl = self.query_start_loc.np
         live = set(self.input_batch.req_ids[:num_reqs])
-        for cache in (self._trees, self._pending, self._fallback):
+        left = {r: self._pending.pop(r) for r in [r for r in self._pending if r not in live]}
+        if left:
+            # Requests that left the batch (finished, aborted, preempted) with
+            # first passes still held back: write those rows' draft KV now,
+            # before this step's forward can reuse their blocks, so that a
+            # later prefix-cache hit on them (a multi-turn chat re-sending the
+            # answer, a preempted request resuming) finds the head's KV there.
+            self.tree_drafter.write_held(left)
+        for cache in (self._trees, self._fallback):
             for req_id in [r for r in cache if r not in live]:
                 del cache[req_id]
         if self.tree_planner is not None:
