@@ -132,12 +132,18 @@ def test_goodput_probes_verify_cost_at_start_up():
 
 
 
-def _set_skip_pattern(worker, period):
+def _set_skip_pattern(worker, period, hold):
     """Test hook: the shape bandit picks "plain" (no drafts) on all but every
-    ``period``-th step and the planner never prunes, and every first-pass
-    row the head runs is recorded as (request id, draft position, token)."""
+    ``period``-th step and the planner never prunes; plain steps hold their
+    first-pass rows back per request (``hold``: PendingRows, as for heads
+    without the KV-only path) or as whole steps (the KV-only path); every
+    first-pass row the head runs is recorded as (request id, draft
+    position, token), every row of a held whole step as (request id, draft
+    position, token, slot, the request's slot there), and the rows
+    ``TreeDrafter.write_rows`` writes are counted."""
     runner = worker.model_runner
     runner.tree_planner.warmup = 10 ** 9
+    runner.hold_plain_rows = hold
     count = [0]
 
     def choose(batch_size):
@@ -170,12 +176,37 @@ def _set_skip_pattern(worker, period):
         return write_held(held_by_request)
 
     drafter.write_held = write_held_logged
+    at_once = runner._test_at_once = []
+
+    class LoggedSteps(list):  # runner._held_steps, logging each held plain step
+        def append(self, held):
+            _, tokens, positions, slots = held
+            bt = runner.input_batch.block_table[0].get_cpu_tensor()
+            bs = runner._tree_block_size
+            for i, (t, p, s) in enumerate(zip(tokens.tolist(), positions.tolist(),
+                                              slots.tolist())):
+                at_once.append((runner.input_batch.req_ids[i], p, t, s,
+                                int(bt[i, p // bs]) * bs + p % bs))
+            super().append(held)
+
+    runner._held_steps = LoggedSteps(runner._held_steps)
+    rows_written = runner._test_rows_written = [0]
+    if not hasattr(drafter, "_test_write_rows"):
+        drafter._test_write_rows = drafter.write_rows
+
+    def write_rows(raw, tokens, positions, slots):
+        rows_written[0] += len(tokens)
+        return drafter._test_write_rows(raw, tokens, positions, slots)
+
+    drafter.write_rows = write_rows
     return True
 
 
 def _first_pass_log(worker):
     r = worker.model_runner
-    return list(r._test_first_pass_log), list(r._test_flushed), list(r._test_written)
+    return (list(r._test_first_pass_log), list(r._test_flushed), list(r._test_written),
+            list(r._test_at_once), len(r._pending), r._test_rows_written[0],
+            len(r._held_steps))
 
 
 def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
@@ -197,7 +228,7 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
     llm = make_llm(speculative_config=spec, max_num_seqs=8)
     try:
         # a tree every 20th step: held-back runs of 19 steps hit the cap
-        assert llm.collective_rpc(_set_skip_pattern, args=(20,)) == [True]
+        assert llm.collective_rpc(_set_skip_pattern, args=(20, True)) == [True]
         before = spec_counters(llm)
         outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
         d = _speculated(llm, before)
@@ -205,7 +236,7 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
         # step (before its forward can reuse their blocks): run one
         llm.generate(PROMPTS[16:17], SamplingParams(temperature=0.0, max_tokens=1),
                      use_tqdm=False)
-        log, flushed, written = llm.collective_rpc(_first_pass_log)[0]
+        log, flushed, written, at_once, *_ = llm.collective_rpc(_first_pass_log)[0]
     finally:
         free_llm(llm)
     got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
@@ -236,6 +267,58 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
     assert held_back > 0  # some requests ended with first passes still held back
     assert len(written) == held_back
     assert flushed and set(flushed) == {MAX_PENDING_ROWS}, flushed
+    assert not at_once
+
+
+def test_goodput_plain_steps_held_whole_and_written(vanilla_greedy_200):
+    """With the KV-only path (the bundled heads), plain steps in which every
+    request decodes one token are held as whole-batch tensors (runner
+    ``_hold_plain_decodes``) and written in one KV-only call per up to
+    MAX_PENDING_ROWS steps, before the next draft, or before the forward of
+    a step whose batch changed; other plain steps go through ``draft``
+    without a tree. Checked exactly: every draft position of every
+    request, up to its last token, was covered (by one path or the other)
+    with the sequence's next token, held rows carry the request's own slot
+    for that position, every held row was written (one more step flushes
+    the last ones), no PendingRows were used, and the output is unchanged."""
+    from transformers import AutoTokenizer
+
+    spec = {"method": "eagle2", "model": str(assets.EAGLE3_HEAD), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
+    tok = AutoTokenizer.from_pretrained(str(assets.TARGET))
+    llm = make_llm(speculative_config=spec, max_num_seqs=8)
+    try:
+        assert llm.collective_rpc(_set_skip_pattern, args=(20, False)) == [True]
+        before = spec_counters(llm)
+        outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
+        d = _speculated(llm, before)
+        llm.generate(PROMPTS[16:17], SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
+        log, flushed, written, at_once, pending, n_written, n_held = \
+            llm.collective_rpc(_first_pass_log)[0]
+    finally:
+        free_llm(llm)
+    got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
+           for o in outs]
+    assert_same(got, vanilla_greedy_200[:16], "plain steps held whole")
+    assert d.drafts < d.draft_tokens
+    assert pending == 0 and not flushed and not written
+    bad_slots = [x for x in at_once if x[3] != x[4]]
+    assert at_once and not bad_slots, bad_slots[:5]
+    assert n_held == 0 and n_written == len(at_once)
+    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+    ours = lambda rid: any(rid == k or rid.startswith(k + "-") for k in seqs)  # noqa: E731
+    by_req: dict[str, dict[int, int]] = {}
+    for rid, pos, t in log + [x[:3] for x in at_once]:
+        if ours(rid):
+            by_req.setdefault(rid, {})[pos] = t  # (a later pass over a position wins)
+    assert len(by_req) == len(seqs)
+    for rid, cover in by_req.items():
+        (seq,) = [v for k, v in seqs.items() if rid == k or rid.startswith(k + "-")]
+        missing = [p for p in range(len(seq) - 1) if p not in cover]
+        assert not missing, (rid, missing[:5])
+        bad = [p for p in range(len(seq) - 1) if cover[p] != seq[p + 1]]
+        assert not bad, (rid, bad[:5])
 
 
 def _force_arms(worker, arms, fast):

