@@ -209,6 +209,36 @@ def _first_pass_log(worker):
             len(r._held_steps))
 
 
+def _run_skip_pattern(head, hold, vanilla, what):
+    """16 prompts under ``_set_skip_pattern`` (a tree every 20th step, so
+    held runs of 19 steps hit the cap) with ``head``, then one 1-token
+    request (whatever the last step held is written on the next step,
+    before its forward can reuse the blocks). Asserts the output equals
+    ``vanilla`` and that something was speculated; returns the sequences
+    (request id -> prompt + output tokens), a filter for this run's
+    request ids (the engine suffixes them), and ``_first_pass_log``."""
+    spec = {"method": "eagle2", "model": str(head), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
+    llm = make_llm(speculative_config=spec, max_num_seqs=8)
+    try:
+        assert llm.collective_rpc(_set_skip_pattern, args=(20, hold)) == [True]
+        before = spec_counters(llm)
+        outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
+        d = _speculated(llm, before)
+        llm.generate(PROMPTS[16:17], SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
+        logs = llm.collective_rpc(_first_pass_log)[0]
+    finally:
+        free_llm(llm)
+    got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
+           for o in outs]
+    assert_same(got, vanilla[:16], what)
+    assert d.drafts < d.draft_tokens
+    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
+    ours = lambda rid: any(rid == k or rid.startswith(k + "-") for k in seqs)  # noqa: E731
+    return seqs, ours, logs
+
+
 def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
     """While the planner chooses no speculation, plain decodes hold back the
     head's first pass (runner ``PendingRows``) and run it, caught up, on the
@@ -220,31 +250,9 @@ def test_goodput_skipped_first_passes_are_caught_up(vanilla_greedy_200):
     written at the end cover every position after that up to the last
     token, and the output is unchanged."""
     from vllm_eagle_tree.adapter.runner import MAX_PENDING_ROWS
-    from transformers import AutoTokenizer
 
-    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
-            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
-    tok = AutoTokenizer.from_pretrained(str(assets.TARGET))
-    llm = make_llm(speculative_config=spec, max_num_seqs=8)
-    try:
-        # a tree every 20th step: held-back runs of 19 steps hit the cap
-        assert llm.collective_rpc(_set_skip_pattern, args=(20, True)) == [True]
-        before = spec_counters(llm)
-        outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
-        d = _speculated(llm, before)
-        # rows held by the requests of the last step are written on the next
-        # step (before its forward can reuse their blocks): run one
-        llm.generate(PROMPTS[16:17], SamplingParams(temperature=0.0, max_tokens=1),
-                     use_tqdm=False)
-        log, flushed, written, at_once, *_ = llm.collective_rpc(_first_pass_log)[0]
-    finally:
-        free_llm(llm)
-    got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
-           for o in outs]
-    assert_same(got, vanilla_greedy_200[:16], "skipped first passes")
-    assert d.drafts < d.draft_tokens
-    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
-    ours = lambda rid: any(rid == k or rid.startswith(k + "-") for k in seqs)  # noqa: E731
+    seqs, ours, (log, flushed, written, at_once, *_) = _run_skip_pattern(
+        assets.EAGLE1_HEAD, True, vanilla_greedy_200, "skipped first passes")
     log = [x for x in log if ours(x[0])]
     written = [x for x in written if ours(x[0])]
     by_req: dict[str, dict[int, int]] = {}
@@ -281,33 +289,13 @@ def test_goodput_plain_steps_held_whole_and_written(vanilla_greedy_200):
     with the sequence's next token, held rows carry the request's own slot
     for that position, every held row was written (one more step flushes
     the last ones), no PendingRows were used, and the output is unchanged."""
-    from transformers import AutoTokenizer
-
-    spec = {"method": "eagle2", "model": str(assets.EAGLE3_HEAD), "num_nodes": 20,
-            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
-    tok = AutoTokenizer.from_pretrained(str(assets.TARGET))
-    llm = make_llm(speculative_config=spec, max_num_seqs=8)
-    try:
-        assert llm.collective_rpc(_set_skip_pattern, args=(20, False)) == [True]
-        before = spec_counters(llm)
-        outs = llm.generate(PROMPTS[:16], GREEDY, use_tqdm=False)
-        d = _speculated(llm, before)
-        llm.generate(PROMPTS[16:17], SamplingParams(temperature=0.0, max_tokens=1),
-                     use_tqdm=False)
-        log, flushed, written, at_once, pending, n_written, n_held = \
-            llm.collective_rpc(_first_pass_log)[0]
-    finally:
-        free_llm(llm)
-    got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
-           for o in outs]
-    assert_same(got, vanilla_greedy_200[:16], "plain steps held whole")
-    assert d.drafts < d.draft_tokens
+    seqs, ours, (log, flushed, written, at_once, pending, n_written, n_held) = \
+        _run_skip_pattern(assets.EAGLE3_HEAD, False, vanilla_greedy_200,
+                          "plain steps held whole")
     assert pending == 0 and not flushed and not written
     bad_slots = [x for x in at_once if x[3] != x[4]]
     assert at_once and not bad_slots, bad_slots[:5]
     assert n_held == 0 and n_written == len(at_once)
-    seqs = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
-    ours = lambda rid: any(rid == k or rid.startswith(k + "-") for k in seqs)  # noqa: E731
     by_req: dict[str, dict[int, int]] = {}
     for rid, pos, t in log + [x[:3] for x in at_once]:
         if ours(rid):
