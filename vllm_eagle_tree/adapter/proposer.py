@@ -226,20 +226,20 @@ class TreeDrafter:
             return False
         held = list(held_by_request.values())
         raw = torch.cat([p.features for p in held])
-        feats = self.model.combine_hidden_states(raw) if self.is_eagle3 else raw
         dev = raw.device
-        self._write_kv(
+        self.write_rows(
+            raw,
             torch.tensor([t for p in held for t in p.next_tokens], dtype=torch.long, device=dev),
             torch.tensor([p.start + j for p in held for j in range(len(p))], dtype=torch.long,
                          device=dev),
-            feats, torch.tensor([x for p in held for x in p.slots], dtype=torch.long, device=dev))
+            torch.tensor([x for p in held for x in p.slots], dtype=torch.long, device=dev))
         return True
 
     @torch.inference_mode()
     def write_rows(self, raw_features: torch.Tensor, tokens: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """First-pass rows that nobody drafts from (the shape bandit's "plain"
-        arm, held by the runner), written KV only in one call
+        """First-pass rows that nobody drafts from (held plain steps, and
+        :meth:`write_held`'s rows), written KV only in one call
         (:meth:`_write_kv`): their target features (:meth:`features`), the
         draft input ``tokens`` that follow them, their draft ``positions``
         and physical ``slots``. Heads without the KV-only path must not get

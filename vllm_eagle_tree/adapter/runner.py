@@ -460,10 +460,11 @@ class TreeRunnerMixin:
         num_reqs = self.input_batch.num_reqs
         step = self._tree_step
         # With "goodput", the shape bandit picks this step's drafting shape. On
-        # its "plain" arm no drafts are made; the head's first-pass rows are
-        # written KV only (at once when every request decodes one token:
-        # _write_plain_decodes), or, for heads without the KV-only path, held
-        # back (PendingRows) and run, caught up, on the next step that drafts.
+        # its "plain" arm no drafts are made; with the KV-only path, steps in
+        # which every request decodes one token are held whole
+        # (_hold_plain_decodes) and other rows written KV only by draft();
+        # heads without that path hold rows back per request (PendingRows)
+        # and run them, caught up, on the next step that drafts.
         arm = None
         if self.tree_bandit is not None:
             arm = self.tree_bandit.choose(sum(
@@ -553,7 +554,6 @@ class TreeRunnerMixin:
             self._trees[req_id] = t
             drafts[q.batch_index] = t[1][1:]
         return drafts
-
 
     def _hold_plain_decodes(self, scheduler_output, sampled_token_ids, hidden_states,
                             aux_hidden_states) -> bool:
