@@ -511,3 +511,126 @@ def test_shape_bandit_walks_on_only_past_arms_near_their_bar():
     assert pick(chain_1=100.0, plain=90.0, chain_2=99.0) == "chain-1"  # chain-2 needs 102
     assert pick(chain_1=100.0, plain=90.0, chain_2=100.5) == "chain-3"  # 1.5% short
     assert pick(chain_2=100.0, plain=80.0, chain_1=97.0, chain_3=90.0) == "chain-2"
+
+
+def test_shape_bandit_predicts_chain_lengths_from_the_cost_model():
+    """With a verify-cost model, chain-k's rate is N x chain_tokens(k) /
+    (base + verify_cost.b x N x k + draft(k)): the base pooled (an EMA) over
+    the bucket's windows of every chain arm, drafting measured per k (else
+    the measured arms' seconds per depth times k)."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    cost = LinearCost(a=0.05, b=0.002)
+    bandit = ShapeBandit(max_depth=4, window=4, decay=0.7, verify_cost=cost)
+    bandit.observe_chain(drafted=[4] * 4, accepted=[1, 2, 3, 4], decay=1.0)
+    assert bandit.rate(4, "chain-2") is None  # nothing measured yet
+
+    def window(arm, seconds, draft, chosen=False):
+        assert chosen or bandit.choose(16) == arm
+        bandit.observe(tokens=1, seconds=9.0, requests=16, rows=16, draft=9.0)  # not counted
+        for s in seconds:
+            assert bandit.choose(16) == arm
+            bandit.observe(tokens=16, seconds=s, requests=16, rows=32, draft=draft)
+
+    window("chain-1", [0.20, 0.22, 0.21], 0.006)
+    bandit._pick = lambda b: "chain-3"
+    assert bandit.choose(16) == "chain-3"  # closes chain-1's window
+    base1 = 0.21 - 0.002 * 16 * 1 - 0.006
+    assert bandit.chain_seconds(4, 1) == pytest.approx(0.21)
+    # chain-3, not measured: its drafting is 3 x chain-1's per depth
+    assert bandit.chain_seconds(4, 3) == pytest.approx(base1 + 0.002 * 16 * 3 + 3 * 0.006)
+    assert bandit.rate(4, "chain-3") == pytest.approx(
+        16 * bandit.chain_tokens(3) / (base1 + 0.096 + 0.018))
+    bandit._pick = lambda b: "plain"
+    window("chain-3", [0.40, 0.40, 0.40], 0.015, chosen=True)  # a slow moment
+    assert bandit.choose(16) == "plain"
+    base3 = 0.40 - 0.002 * 16 * 3 - 0.015
+    base = 0.7 * base1 + 0.3 * base3
+    for k, draft in ((1, 0.006), (3, 0.015), (2, (0.006 + 0.015 / 3) / 2 * 2),
+                     (4, (0.006 + 0.015 / 3) / 2 * 4)):
+        assert bandit.chain_seconds(4, k) == pytest.approx(base + 0.002 * 16 * k + draft), k
+    # without a verify-cost model: each arm's own windows, nothing predicted
+    plain = ShapeBandit(max_depth=4, window=4)
+    plain.observe_chain(drafted=[4] * 4, accepted=[1, 2, 3, 4], decay=1.0)
+    plain.choose(16)
+    for _ in range(4):  # the first step is not counted
+        plain.choose(16)
+        plain.observe(tokens=16, seconds=0.2, requests=16, rows=32, draft=0.006)
+    plain.choose(16)
+    assert plain.rate(4, "chain-2") is None
+    assert plain.rate(4, "chain-1") == pytest.approx(16 * plain.chain_tokens(1) / 0.2)
+
+
+def test_shape_bandit_keeps_the_best_chain_through_a_slow_window():
+    """Steps whose time is base x drift + per-row cost + drafting: one window
+    of the best chain length measured 30% slow (the machine drifting) does
+    not make the bandit leave it, as it did when each arm was ranked by its
+    own windows; without the model the same run settles elsewhere."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    per_row, draft_per_depth, base, N = 0.002, 0.004, 0.1, 16
+
+    def seconds(arm):
+        k = 0 if arm == "plain" else 4 if arm == "tree" else int(arm.split("-")[1])
+        return base + per_row * N * (1 + k) + draft_per_depth * k + (0.05 if arm == "tree" else 0)
+
+    def run(model: bool):
+        bandit = ShapeBandit(max_depth=3, window=4,
+                             verify_cost=LinearCost(a=base, b=per_row) if model else None)
+        bandit.observe_chain(drafted=[3] * 10, accepted=[3, 3, 3, 2, 2, 2, 1, 1, 0, 3],
+                             decay=1.0)
+
+        def true_rate(arm):
+            k = 0 if arm == "plain" else 3 if arm == "tree" else int(arm.split("-")[1])
+            return N * bandit.chain_tokens(k) / seconds(arm)
+
+        truth = max(bandit.arms, key=true_rate)
+        slow_once = {truth}
+        chosen = []
+        for _ in range(40):
+            arm = bandit.choose(N)
+            chosen.append(arm)
+            bandit.observe(tokens=N, seconds=1.0, requests=N, rows=N)  # not counted
+            drift = 1.3 if arm in slow_once else 1.0
+            slow_once.discard(arm)
+            for _ in range(3):
+                bandit.choose(N)
+                bandit.observe(tokens=N * bandit.chain_tokens(int(arm[-1]))
+                               if arm.startswith("chain") else N, seconds=seconds(arm) * drift,
+                               requests=N, rows=N, draft=0.0)
+        return truth, chosen
+
+    truth, chosen = run(model=True)
+    assert truth.startswith("chain-") and truth != "chain-1"
+    # after the first windows (chain-1, then plain and the tree, its rivals
+    # the model does not predict), the best chain length, left only to
+    # measure once each a chain length whose drafting was extrapolated
+    others = [a for a in chosen[4:] if a != truth]
+    assert len(others) == len(set(others)) <= 2 and all(a.startswith("chain-") for a in others), \
+        chosen
+    assert chosen[-20:] == [truth] * 20
+    truth_old, chosen_old = run(model=False)
+    assert truth_old == truth and chosen_old[-10:].count(truth) < 5, chosen_old
+
+
+def test_shape_bandit_re_measures_predicted_chains_while_plain_is_best():
+    """With plain best, the chain base is only refreshed by chain windows, so
+    plain's chain neighbour is still re-measured when its turn comes (a
+    chain measured once in a slow moment is not written off)."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    bandit = ShapeBandit(max_depth=2, window=4, explore_every=2,
+                         verify_cost=LinearCost(a=0.1, b=0.01))
+    bandit.observe_chain(drafted=[2] * 4, accepted=[0, 0, 1, 0], decay=1.0)
+    chosen = []
+    for _ in range(30):
+        arm = bandit.choose(4)
+        chosen.append(arm)
+        bandit.observe(tokens=4, seconds=1.0, requests=4, rows=4)  # not counted
+        k = 0 if arm == "plain" else 1 if arm == "chain-1" else 2
+        for _ in range(3):
+            bandit.choose(4)
+            bandit.observe(tokens=4, seconds=0.1 + 0.01 * 4 * (1 + k), requests=4,
+                           rows=4 * (1 + k), draft=0.001 * k)
+    assert chosen[:2] == ["chain-1", "plain"] and bandit.best(2) == "plain"
+    assert chosen[2:].count("chain-1") >= 2, chosen

@@ -142,6 +142,7 @@ class TreeRunnerMixin:
         self._step_requests = 0                # its decoding requests
         self._step_prefill_rows = 0            # its prefill rows
         self._step_decode_rows = 0             # its decoding requests' query rows
+        self._step_draft = 0.0                 # seconds it spent drafting
         self._draft_arm: str | None = None     # the bandit arm of the drafts being verified
         self._chain_steps = 0                  # verify steps since the last tree arm step
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
@@ -213,8 +214,9 @@ class TreeRunnerMixin:
                 prefill = self.tree_planner.verify_cost.b * self._step_prefill_rows
                 self.tree_bandit.observe(self._step_emitted, max(seconds - prefill, 0.1 * seconds),
                                          self._step_requests, prefill=self._step_prefill_rows > 0,
-                                         rows=self._step_decode_rows)
-            self._step_clock, self._step_emitted = now, 0
+                                         rows=self._step_decode_rows,
+                                         draft=self._step_draft)
+            self._step_clock, self._step_emitted, self._step_draft = now, 0, 0.0
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -544,7 +546,8 @@ class TreeRunnerMixin:
             reqs, hidden_states, aux_hidden_states, bt,
             req_ids=[self.input_batch.req_ids[q.batch_index] for q in reqs], arm=arm)
         if planner is not None and any(q.grow_tree for q in reqs):
-            planner.observe_draft(time.perf_counter() - t)
+            self._step_draft = time.perf_counter() - t
+            planner.observe_draft(self._step_draft)
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
         for q, t in zip(reqs, trees):
             req_id = self.input_batch.req_ids[q.batch_index]

@@ -407,7 +407,12 @@ class ShapeBandit:
     head's acceptance along its greedy chain, pooled over every verified
     chain of every bucket (acceptance does not depend on the batch size):
     ``1 + sum_d prod_{j <= d} q_j`` with ``q_j`` = P(depth j accepted | depth
-    j-1 accepted) (:meth:`observe_chain`).
+    j-1 accepted) (:meth:`observe_chain`). Nor are a chain arm's seconds,
+    given a verify-cost model: what chain-k adds to a step (k more query
+    rows per request, k head forwards) is predicted from the live per-row
+    cost and its measured drafting, and the rest is pooled over every chain
+    window of the bucket (:meth:`rate`), so chain lengths are ranked with
+    little noise and a chain-k never run is predicted too.
 
     A window's rate leaves out what speculating costs outside the decode
     steps it counts: requests that finish at different steps (the number of
@@ -440,8 +445,9 @@ class ShapeBandit:
     * plain is measured in every bucket and always re-measured like a
       neighbour (at batch 16 a run started from chain-2, measured chain-1
       slower in a slow moment and never tried plain, the fastest there);
-    * then the best arm is kept, and a neighbour is re-measured once its
-      turn comes: after ``explore_every`` windows, times ``1 + gap / 0.05``
+    * then the best arm is kept, and a neighbour (other than, while a chain
+      is best, a chain the model predicts from its own measured drafting)
+      is re-measured once its turn comes: after ``explore_every`` windows, times ``1 + gap / 0.05``
       where ``gap`` is how much faster it must get to be chosen, margins
       included (:meth:`_gap`; a neighbour that needs 20% is revisited every
       5 x 8 windows, costing about 0.5%).
@@ -460,6 +466,10 @@ class ShapeBandit:
         # bucket -> arm -> [tokens, seconds, windows, requests] (per-step EMAs;
         # windows: a count)
         self.stats: dict[int, dict[str, list[float]]] = {}
+        # bucket -> [seconds, requests] per chain step less its chain-k part
+        # (chain_seconds), an EMA over the bucket's windows of every chain arm
+        self._chain_base: dict[int, list[float]] = {}
+        self._draft: dict[int, dict[int, float]] = {}  # bucket -> k -> drafting s/step (EMA)
         self._waited: dict[int, dict[str, int]] = {}  # bucket -> neighbour -> windows since measured
         self._closed: dict[int, int] = {}  # bucket -> windows measured in it
         self._last: dict[int, dict[str, int]] = {}  # bucket -> arm -> its last window's number
@@ -475,7 +485,7 @@ class ShapeBandit:
 
     @staticmethod
     def _empty_window() -> dict[str, list[float]]:
-        return {"clean": [0.0, 0.0, 0, 0.0], "prefill": [0.0, 0.0, 0, 0.0]}
+        return {"clean": [0.0, 0.0, 0, 0.0, 0.0], "prefill": [0.0, 0.0, 0, 0.0, 0.0]}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -508,12 +518,49 @@ class ShapeBandit:
             total += alive
         return total
 
+    def draft_seconds(self, bucket: int, k: int) -> float:
+        """Drafting seconds per step of chain-k in ``bucket``: measured (EMA),
+        else the measured chain arms' mean seconds per depth times k (each
+        depth is one head forward over the batch), else 0."""
+        measured = self._draft.get(bucket, {})
+        if k in measured:
+            return measured[k]
+        if not measured:
+            return 0.0
+        return k * sum(s / j for j, s in measured.items()) / len(measured)
+
+    def chain_seconds(self, bucket: int, k: int) -> float | None:
+        """Predicted seconds per step of chain-k in ``bucket``: the bucket's
+        pooled chain base plus k more query rows per request at the
+        verify-cost model's per-row cost plus chain-k's drafting (None: no
+        chain measured there, or no verify-cost model)."""
+        base = self._chain_base.get(bucket)
+        if base is None or self.verify_cost is None:
+            return None
+        return base[0] + self.verify_cost.b * base[1] * k + self.draft_seconds(bucket, k)
+
     def rate(self, bucket: int, arm: str) -> float | None:
-        """Emitted tokens per second of ``arm`` in ``bucket`` (None: not measured)."""
+        """Emitted tokens per second of ``arm`` in ``bucket`` (None: not measured).
+
+        Chain arms, with a verify-cost model: ``N x chain_tokens(k) /
+        chain_seconds(k)``, predicted for every k once any chain has run in
+        the bucket. What a chain-k step costs beyond the rest of the step
+        is known with little noise (k x N more rows of the live per-row
+        cost, and the measured drafting); the rest, the base, is the same
+        for every k and is pooled over all of the bucket's chain windows.
+        So chain lengths are ranked by the model and the pooled acceptance,
+        not by their own few windows: a chain-2 window measured 10% slow
+        in a slow moment no longer leaves chain-1 chosen for the rest of a
+        run (issue 6, batch 16 on AVX2). Without a model, each arm's own
+        windows."""
+        k = chain_length(arm)
+        if k is not None:
+            seconds = self.chain_seconds(bucket, k)
+            if seconds is not None:
+                return self._chain_base[bucket][1] * self.chain_tokens(k) / max(seconds, 1e-12)
         st = self.stats.get(bucket, {}).get(arm)
         if st is None or st[1] <= 0:
             return None
-        k = chain_length(arm)
         if k is not None:
             return st[3] * self.chain_tokens(k) / st[1]
         return st[0] / st[1]
@@ -550,6 +597,15 @@ class ShapeBandit:
             bar = rb / (1.0 + self._margin(rival))
         return max(1.0 - r / bar, 0.0)
 
+    def _predicted(self, b: int, arm: str) -> bool:
+        """Whether ``arm`` is a chain whose rate the cost model predicts in
+        bucket ``b`` from its own measured drafting time: while another chain
+        is the best arm, re-measuring it would only move the shared base,
+        which the best chain's windows keep fresh anyway."""
+        k = chain_length(arm)
+        return k is not None and self.chain_seconds(b, k) is not None \
+            and k in self._draft.get(b, {})
+
     def _pick(self, b: int) -> str:
         best = self.best(b)
         if best is None:
@@ -573,6 +629,8 @@ class ShapeBandit:
         waited = self._waited.setdefault(b, {})
         due = []
         for n in neighbours:
+            if chain_length(best) is not None and self._predicted(b, n):
+                continue  # the best chain's windows refresh the base it shares
             waited[n] = waited.get(n, 0) + 1
             if waited[n] >= self.explore_every * (1.0 + self._gap(b, best, n) / 0.05):
                 due.append((waited[n], n))
@@ -597,11 +655,11 @@ class ShapeBandit:
         return self.current
 
     def observe(self, tokens: float, seconds: float, requests: float | None = None,
-                prefill: bool = False, rows: int | None = None) -> None:
+                prefill: bool = False, rows: int | None = None, draft: float = 0.0) -> None:
         """One finished engine step under the current arm: tokens its decodes
         emitted, seconds (prefill's share taken out by the caller), decoding
-        requests (default: ``tokens``), whether it carried prefill rows, and
-        the decoding requests' query rows.
+        requests (default: ``tokens``), whether it carried prefill rows, the
+        decoding requests' query rows, and the seconds it spent drafting.
 
         With ``rows`` and a ``verify_cost``, a step of ``n`` requests is
         scaled to the bucket's batch size ``N`` (its power of two) before it
@@ -618,20 +676,32 @@ class ShapeBandit:
             n, size = float(requests), float(1 << self._bucket)
             tokens = tokens * size / n
             seconds = max(seconds + self.verify_cost.b * rows / n * (size - n), 0.1 * seconds)
+            draft = draft * size / n  # one head forward over the batch per depth
             requests = size
         acc = self._acc["prefill" if prefill else "clean"]
         acc[0] += tokens
         acc[1] += seconds
         acc[2] += 1
         acc[3] += tokens if requests is None else requests
+        acc[4] += draft
 
     def _close_window(self) -> None:
         clean = self._acc["clean"]
-        tok, sec, n, req = clean if clean[2] > 0 else self._acc["prefill"]
+        tok, sec, n, req, draft = clean if clean[2] > 0 else self._acc["prefill"]
         self._acc = self._empty_window()
         if n <= 0 or sec <= 0:
             return
         b, arm = self._bucket, self.current
+        k = chain_length(arm)
+        if k is not None and self.verify_cost is not None:
+            # the window's base: its seconds less its chain-k part (rate())
+            drafts = self._draft.setdefault(b, {})
+            drafts[k] = draft / n if k not in drafts else \
+                self.decay * drafts[k] + (1 - self.decay) * draft / n
+            base = [sec / n - self.verify_cost.b * req / n * k - draft / n, req / n]
+            old = self._chain_base.get(b)
+            self._chain_base[b] = base if old is None else \
+                [self.decay * o + (1 - self.decay) * x for o, x in zip(old, base)]
         number = self._closed[b] = self._closed.get(b, 0) + 1
         last = self._last.setdefault(b, {})
         age = number - last.get(arm, number) - 1  # windows of other arms since its last
