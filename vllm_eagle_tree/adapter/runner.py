@@ -143,6 +143,7 @@ class TreeRunnerMixin:
         self._step_prefill_rows = 0            # its prefill rows
         self._step_decode_rows = 0             # its decoding requests' query rows
         self._step_draft = 0.0                 # seconds it spent drafting
+        self._step_forward: float | None = None  # seconds in the target forward
         self._draft_arm: str | None = None     # the bandit arm of the drafts being verified
         self._chain_steps = 0                  # verify steps since the last tree arm step
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
@@ -171,7 +172,7 @@ class TreeRunnerMixin:
         if self.eagle2.goodput:
             self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
             self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth,
-                                           verify_cost=self.tree_planner.verify_cost)
+                                           verify_cost=self.tree_planner.forward_cost)
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
                                         self._tree_block_size, planner=self.tree_planner)
         # On the "plain" arm, with a head that has the KV-only path, steps in
@@ -215,8 +216,9 @@ class TreeRunnerMixin:
                 self.tree_bandit.observe(self._step_emitted, max(seconds - prefill, 0.1 * seconds),
                                          self._step_requests, prefill=self._step_prefill_rows > 0,
                                          rows=self._step_decode_rows,
-                                         draft=self._step_draft)
+                                         draft=self._step_draft, forward=self._step_forward)
             self._step_clock, self._step_emitted, self._step_draft = now, 0, 0.0
+            self._step_forward = None
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -289,7 +291,8 @@ class TreeRunnerMixin:
         tree_rows = sum(len(step.trees[b][0]) for b in step.masked)
         t = time.perf_counter()
         out = super()._model_forward(*args, **kwargs)
-        self.tree_planner.observe_verify(rows, time.perf_counter() - t, tree_rows=tree_rows)
+        self._step_forward = time.perf_counter() - t
+        self.tree_planner.observe_verify(rows, self._step_forward, tree_rows=tree_rows)
         return out
 
     # --------------------------------------------------- 2. attention mask

@@ -31,45 +31,87 @@ import torch
 
 from .tree import TreeBatch
 
-__all__ = ["LinearCost", "ValueCalibration", "BudgetPlan", "plan_budget", "prune_to_top",
-           "best_chains", "greedy_chain_acceptance", "GoodputPlanner", "ShapeBandit",
+__all__ = ["LinearCost", "DriftingCost", "ValueCalibration", "BudgetPlan", "plan_budget",
+           "prune_to_top", "best_chains", "greedy_chain_acceptance", "GoodputPlanner", "ShapeBandit",
            "chain_length"]
 
 
 @dataclass
 class LinearCost:
-    """``seconds(x) = a + b * x`` fitted by least squares on the last ``window`` samples."""
+    """``seconds(x) = a + b * x`` fitted by least squares on the last ``window`` samples
+    (running sums: each observation costs the same whatever the window)."""
 
     a: float = 0.0
     b: float = 0.0
     window: int = 64
     _xs: deque = field(default_factory=deque, repr=False)
     _ys: deque = field(default_factory=deque, repr=False)
+    _sums: list = field(default_factory=lambda: [0.0] * 4, repr=False)  # x, y, xx, xy
 
     def observe(self, x: float, seconds: float) -> None:
-        self._xs.append(float(x))
-        self._ys.append(float(seconds))
+        x, y = float(x), float(seconds)
+        self._xs.append(x)
+        self._ys.append(y)
+        self._add(x, y, 1.0)
         while len(self._xs) > self.window:
-            self._xs.popleft()
-            self._ys.popleft()
+            self._add(self._xs.popleft(), self._ys.popleft(), -1.0)
         self._fit()
+
+    def _add(self, x: float, y: float, sign: float) -> None:
+        s = self._sums
+        s[0] += sign * x
+        s[1] += sign * y
+        s[2] += sign * x * x
+        s[3] += sign * x * y
 
     def _fit(self) -> None:
         n = len(self._xs)
         if n == 0:
             return
-        mx = sum(self._xs) / n
-        my = sum(self._ys) / n
-        sxx = sum((x - mx) ** 2 for x in self._xs)
-        if sxx <= 0.0:  # one distinct x: keep the slope, move the intercept
+        sx, sy, sxx, sxy = self._sums
+        mx, my = sx / n, sy / n
+        var = sxx - n * mx * mx
+        if var <= 1e-9 * sxx:  # one distinct x: keep the slope, move the intercept
             self.a = my - self.b * mx
             return
-        sxy = sum((x - mx) * (y - my) for x, y in zip(self._xs, self._ys))
-        self.b = max(sxy / sxx, 0.0)  # time never falls with more rows
+        self.b = max((sxy - n * mx * my) / var, 0.0)  # time never falls with more rows
         self.a = max(my - self.b * mx, 0.0)
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
+
+
+class DriftingCost:
+    """``seconds(x) = speed * (a + b * x)``: a line fitted over a long window
+    of observations (its shape, how the target forward grows with query rows,
+    which a few noisy steps cannot tilt), times the machine's current speed:
+    an EMA over the last steps of observed / fitted seconds, which moves the
+    cost of every ``x`` alike. This machine drifts 10-20% within minutes; a
+    line fitted on the last 64 steps alone follows the drift, and when those
+    steps come in two groups of rows (plain's N, chain-1's 2N, a few windows
+    each) a slow window of one group tilts its slope."""
+
+    def __init__(self, window: int = 1024, speed_decay: float = 0.8):
+        self.shape = LinearCost(window=window)
+        self.speed = 1.0
+        self.speed_decay = speed_decay
+
+    def observe(self, x: float, seconds: float) -> None:
+        self.shape.observe(x, seconds)
+        fitted = self.shape(x)
+        if fitted > 0.0:
+            self.speed = self.speed_decay * self.speed + (1 - self.speed_decay) * seconds / fitted
+
+    @property
+    def a(self) -> float:
+        return self.speed * self.shape.a
+
+    @property
+    def b(self) -> float:
+        return self.speed * self.shape.b
+
+    def __call__(self, x: float) -> float:
+        return self.speed * self.shape(x)
 
 
 @dataclass
@@ -267,6 +309,7 @@ class GoodputPlanner:
 
     def __init__(self, max_depth: int, warmup: int = 8, window: int = 64, decay: float = 0.9):
         self.verify_cost = LinearCost(window=window)  # steps without trees: seconds vs rows
+        self.forward_cost = DriftingCost()  # the same steps, for the shape bandit
         self.tree_overhead = 0.0  # EMA: extra seconds of a verify step that holds trees
         self.calibration = ValueCalibration(max_depth=max_depth)
         self.draft_seconds = 0.0
@@ -294,6 +337,7 @@ class GoodputPlanner:
         update the extra cost a tree step carries on top (tree attention)."""
         if tree_rows == 0:
             self.verify_cost.observe(query_rows, seconds)
+            self.forward_cost.observe(query_rows, seconds)
         else:
             extra = max(seconds - self.verify_cost(query_rows), 0.0)
             self.tree_overhead = extra if self.tree_overhead == 0.0 else \
@@ -407,12 +451,13 @@ class ShapeBandit:
     head's acceptance along its greedy chain, pooled over every verified
     chain of every bucket (acceptance does not depend on the batch size):
     ``1 + sum_d prod_{j <= d} q_j`` with ``q_j`` = P(depth j accepted | depth
-    j-1 accepted) (:meth:`observe_chain`). Nor are a chain arm's seconds,
-    given a verify-cost model: what chain-k adds to a step (k more query
-    rows per request, k head forwards) is predicted from the live per-row
-    cost and its measured drafting, and the rest is pooled over every chain
-    window of the bucket (:meth:`rate`), so chain lengths are ranked with
-    little noise and a chain-k never run is predicted too.
+    j-1 accepted) (:meth:`observe_chain`). Nor, given a model of the target
+    forward's cost (a :class:`DriftingCost`) and timed forwards, are plain's
+    and the chains' seconds: a step is predicted as the model's forward at
+    its query rows plus what the arm measured outside the forward and its
+    drafting (:meth:`model_seconds`), so that the machine's drift, which
+    moves every arm alike, no longer ranks the arms, and a chain-k never
+    run is predicted too. The tree is still ranked by its own windows.
 
     A window's rate leaves out what speculating costs outside the decode
     steps it counts: requests that finish at different steps (the number of
@@ -455,8 +500,10 @@ class ShapeBandit:
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
                  decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.10,
-                 verify_cost: LinearCost | None = None):
-        self.verify_cost = verify_cost  # its per-row cost scales steps to the bucket's size
+                 verify_cost: LinearCost | DriftingCost | None = None):
+        # the target forward's seconds vs query rows: scales steps to the
+        # bucket's size, and predicts plain and chain steps (model_seconds)
+        self.verify_cost = verify_cost
         self.arms = ["plain"] + [f"chain-{k}" for k in range(1, max_depth + 1)] + ["tree"]
         self.window = window
         self.explore_every = explore_every
@@ -466,10 +513,11 @@ class ShapeBandit:
         # bucket -> arm -> [tokens, seconds, windows, requests] (per-step EMAs;
         # windows: a count)
         self.stats: dict[int, dict[str, list[float]]] = {}
-        # bucket -> [seconds, requests] per chain step less its chain-k part
-        # (chain_seconds), an EMA over the bucket's windows of every chain arm
-        self._chain_base: dict[int, list[float]] = {}
-        self._draft: dict[int, dict[int, float]] = {}  # bucket -> k -> drafting s/step (EMA)
+        # the cost model's measured parts (model_seconds), per-step EMAs:
+        # bucket -> "plain" / "chain" -> seconds outside the target forward
+        # and drafting (every chain length pooled); bucket -> k -> drafting
+        self._other: dict[int, dict[str, float]] = {}
+        self._draft: dict[int, dict[int, float]] = {}
         self._waited: dict[int, dict[str, int]] = {}  # bucket -> neighbour -> windows since measured
         self._closed: dict[int, int] = {}  # bucket -> windows measured in it
         self._last: dict[int, dict[str, int]] = {}  # bucket -> arm -> its last window's number
@@ -485,7 +533,10 @@ class ShapeBandit:
 
     @staticmethod
     def _empty_window() -> dict[str, list[float]]:
-        return {"clean": [0.0, 0.0, 0, 0.0, 0.0], "prefill": [0.0, 0.0, 0, 0.0, 0.0]}
+        # [tokens, seconds, counted steps, requests, drafting s, other s,
+        #  steps with the forward timed]
+        return {"clean": [0.0, 0.0, 0, 0.0, 0.0, 0.0, 0],
+                "prefill": [0.0, 0.0, 0, 0.0, 0.0, 0.0, 0]}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -529,35 +580,44 @@ class ShapeBandit:
             return 0.0
         return k * sum(s / j for j, s in measured.items()) / len(measured)
 
-    def chain_seconds(self, bucket: int, k: int) -> float | None:
-        """Predicted seconds per step of chain-k in ``bucket``: the bucket's
-        pooled chain base plus k more query rows per request at the
-        verify-cost model's per-row cost plus chain-k's drafting (None: no
-        chain measured there, or no verify-cost model)."""
-        base = self._chain_base.get(bucket)
-        if base is None or self.verify_cost is None:
+    def model_seconds(self, bucket: int, arm: str) -> float | None:
+        """Predicted seconds of one step of ``arm`` at the bucket's batch size
+        N (its power of two): the verify-cost model at N query rows (plain)
+        or N x (1 + k) (chain-k), plus what the arm's steps measured outside
+        the forward (scheduling, sampling, ...; chains pooled) and chain-k's
+        drafting (:meth:`draft_seconds`). None: no verify-cost model, a tree,
+        or nothing measured yet."""
+        k = chain_length(arm)
+        if self.verify_cost is None or (k is None and arm != "plain"):
             return None
-        return base[0] + self.verify_cost.b * base[1] * k + self.draft_seconds(bucket, k)
+        other = self._other.get(bucket, {}).get("plain" if k is None else "chain")
+        if other is None:
+            return None
+        n = float(1 << bucket)
+        if k is None:
+            return self.verify_cost(n) + other
+        return self.verify_cost(n * (1 + k)) + other + self.draft_seconds(bucket, k)
 
     def rate(self, bucket: int, arm: str) -> float | None:
         """Emitted tokens per second of ``arm`` in ``bucket`` (None: not measured).
 
-        Chain arms, with a verify-cost model: ``N x chain_tokens(k) /
-        chain_seconds(k)``, predicted for every k once any chain has run in
-        the bucket. What a chain-k step costs beyond the rest of the step
-        is known with little noise (k x N more rows of the live per-row
-        cost, and the measured drafting); the rest, the base, is the same
-        for every k and is pooled over all of the bucket's chain windows.
-        So chain lengths are ranked by the model and the pooled acceptance,
-        not by their own few windows: a chain-2 window measured 10% slow
-        in a slow moment no longer leaves chain-1 chosen for the rest of a
-        run (issue 6, batch 16 on AVX2). Without a model, each arm's own
-        windows."""
+        Plain and chain arms, with a verify-cost model and timed forwards:
+        ``N x tokens per request / model_seconds``, a chain-k predicted
+        for every k once any chain has run in the bucket. The target
+        forward, most of a step and what drifts with the machine, comes
+        from one model fitted on every recent step (so a slow moment moves
+        every arm alike); the rest is measured per arm and small. So arms
+        are ranked with little noise, not by their own few windows: a
+        chain-2 window measured 10% slow in a slow moment no longer left
+        chain-1 chosen for the rest of a run (issue 6, batch 16 on AVX2),
+        nor did chain-1 windows measured fast in a quick one choose it
+        over plain at batch 64. The tree, and every arm without a model,
+        by its own windows."""
         k = chain_length(arm)
-        if k is not None:
-            seconds = self.chain_seconds(bucket, k)
-            if seconds is not None:
-                return self._chain_base[bucket][1] * self.chain_tokens(k) / max(seconds, 1e-12)
+        seconds = self.model_seconds(bucket, arm)
+        if seconds is not None:
+            tokens = 1.0 if k is None else self.chain_tokens(k)
+            return (1 << bucket) * tokens / max(seconds, 1e-12)
         st = self.stats.get(bucket, {}).get(arm)
         if st is None or st[1] <= 0:
             return None
@@ -600,10 +660,11 @@ class ShapeBandit:
     def _predicted(self, b: int, arm: str) -> bool:
         """Whether ``arm`` is a chain whose rate the cost model predicts in
         bucket ``b`` from its own measured drafting time: while another chain
-        is the best arm, re-measuring it would only move the shared base,
-        which the best chain's windows keep fresh anyway."""
+        is the best arm, re-measuring it would only refresh the chains'
+        pooled time outside the forward, which the best chain's windows
+        keep fresh anyway."""
         k = chain_length(arm)
-        return k is not None and self.chain_seconds(b, k) is not None \
+        return k is not None and self.model_seconds(b, arm) is not None \
             and k in self._draft.get(b, {})
 
     def _pick(self, b: int) -> str:
@@ -655,11 +716,13 @@ class ShapeBandit:
         return self.current
 
     def observe(self, tokens: float, seconds: float, requests: float | None = None,
-                prefill: bool = False, rows: int | None = None, draft: float = 0.0) -> None:
+                prefill: bool = False, rows: int | None = None, draft: float = 0.0,
+                forward: float | None = None) -> None:
         """One finished engine step under the current arm: tokens its decodes
         emitted, seconds (prefill's share taken out by the caller), decoding
         requests (default: ``tokens``), whether it carried prefill rows, the
-        decoding requests' query rows, and the seconds it spent drafting.
+        decoding requests' query rows, the seconds it spent drafting and in
+        the target forward (None: not timed).
 
         With ``rows`` and a ``verify_cost``, a step of ``n`` requests is
         scaled to the bucket's batch size ``N`` (its power of two) before it
@@ -672,6 +735,7 @@ class ShapeBandit:
         if self._skip:
             self._skip = False
             return
+        other = None if forward is None else max(seconds - forward - draft, 0.0)
         if rows is not None and requests and self.verify_cost is not None and self._bucket >= 0:
             n, size = float(requests), float(1 << self._bucket)
             tokens = tokens * size / n
@@ -684,24 +748,27 @@ class ShapeBandit:
         acc[2] += 1
         acc[3] += tokens if requests is None else requests
         acc[4] += draft
+        if other is not None:
+            acc[5] += other
+            acc[6] += 1
 
     def _close_window(self) -> None:
         clean = self._acc["clean"]
-        tok, sec, n, req, draft = clean if clean[2] > 0 else self._acc["prefill"]
+        tok, sec, n, req, draft, other, timed = clean if clean[2] > 0 else self._acc["prefill"]
+        timed *= clean[2] > 0  # the model learns from steps without prefill rows only
         self._acc = self._empty_window()
         if n <= 0 or sec <= 0:
             return
         b, arm = self._bucket, self.current
         k = chain_length(arm)
-        if k is not None and self.verify_cost is not None:
-            # the window's base: its seconds less its chain-k part (rate())
-            drafts = self._draft.setdefault(b, {})
-            drafts[k] = draft / n if k not in drafts else \
-                self.decay * drafts[k] + (1 - self.decay) * draft / n
-            base = [sec / n - self.verify_cost.b * req / n * k - draft / n, req / n]
-            old = self._chain_base.get(b)
-            self._chain_base[b] = base if old is None else \
-                [self.decay * o + (1 - self.decay) * x for o, x in zip(old, base)]
+        if self.verify_cost is not None and timed == n and (k is not None or arm == "plain"):
+            # the model's measured parts (model_seconds)
+            if k is not None:
+                drafts = self._draft.setdefault(b, {})
+                drafts[k] = self._ema(drafts.get(k), draft / n)
+            others = self._other.setdefault(b, {})
+            key = "plain" if k is None else "chain"
+            others[key] = self._ema(others.get(key), other / n)
         number = self._closed[b] = self._closed.get(b, 0) + 1
         last = self._last.setdefault(b, {})
         age = number - last.get(arm, number) - 1  # windows of other arms since its last
@@ -720,6 +787,9 @@ class ShapeBandit:
             st[1] = a * st[1] + (1 - a) * sec / n
             st[2] += 1
             st[3] = a * st[3] + (1 - a) * req / n
+
+    def _ema(self, old: float | None, x: float) -> float:
+        return x if old is None else self.decay * old + (1 - self.decay) * x
 
     def summary(self) -> dict:
         """Measured tokens/s per batch-size bucket (its power of two) and arm."""
