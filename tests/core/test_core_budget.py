@@ -701,3 +701,49 @@ def test_shape_bandit_re_measures_predicted_chains_while_plain_is_best():
                            rows=4 * (1 + k), draft=0.001 * k)
     assert chosen[:2] == ["chain-1", "plain"] and bandit.best(2) == "plain"
     assert chosen[2:].count("chain-1") >= 2, chosen
+
+
+def test_shape_bandit_enters_a_new_bucket_with_the_model_best_shape():
+    """A bucket the batch enters (a drain: 16 -> 4) borrows the nearest
+    bucket's measured parts of the model (time outside the forward, drafting)
+    so its first window runs the shape the model predicts best there, and
+    plain, predicted far slower at batch 4, is not measured first."""
+    from vllm_eagle_tree.core.budget import DriftingCost, ShapeBandit
+
+    cost = DriftingCost()
+    for n in (1, 16, 64, 256):
+        cost.observe(n, 0.1 + 0.002 * n)
+    bandit = ShapeBandit(max_depth=3, window=4, verify_cost=cost)
+    bandit.observe_chain(drafted=[3] * 10, accepted=[3, 3, 3, 3, 2, 2, 2, 1, 1, 0], decay=1.0)
+    arms = iter(["chain-1", "plain"])
+    bandit._pick = lambda b: next(arms)
+    for _ in range(2):  # a chain-1 window and a plain window at batch 16
+        arm = bandit.choose(16)
+        k = 0 if arm == "plain" else 1
+        for _ in range(4):
+            bandit.choose(16)
+            bandit.observe(tokens=16, seconds=cost(16 * (1 + k)) + 0.003 + 0.004 * k,
+                           requests=16, rows=16 * (1 + k), draft=0.004 * k,
+                           forward=cost(16 * (1 + k)))
+    del bandit._pick
+    bandit.choose(16)  # closes the plain window
+    assert set(bandit._other) == {4}  # bucket "16" only
+    # batch 4: every chain length and plain predicted from bucket 16's parts
+    for k in (1, 2, 3):
+        assert bandit.model_seconds(2, f"chain-{k}") == pytest.approx(
+            cost(4 * (1 + k)) + 0.003 + 0.004 * k)
+    assert bandit.model_seconds(2, "plain") == pytest.approx(cost(4) + 0.003)
+    best = bandit.best(2)
+    assert best == "chain-3" and bandit.rate(2, "plain") < 0.7 * bandit.rate(2, best)
+    first = []
+    for _ in range(6):  # windows at batch 4, timed as the model says
+        arm = bandit.choose(4)
+        first.append(arm)
+        k = 0 if arm == "plain" else 6 if arm == "tree" else int(arm[-1])
+        for _ in range(4):
+            bandit.choose(4)
+            bandit.observe(tokens=4, seconds=cost(4 * (1 + k)) + 0.003 + 0.004 * k,
+                           requests=4, rows=4 * (1 + k), draft=0.004 * k,
+                           forward=cost(4 * (1 + k)))
+    # the tree, next to chain-3 and not predicted, is measured once (slower)
+    assert first == ["tree"] + [best] * 5, first

@@ -569,11 +569,20 @@ class ShapeBandit:
             total += alive
         return total
 
+    @staticmethod
+    def _nearest(table: dict, bucket: int, key=None):
+        """``table[b]`` of the bucket nearest ``bucket`` (itself first) that
+        has ``key`` (any entry when None); None: no such bucket."""
+        have = [b for b, v in table.items() if (v if key is None else key in v)]
+        return table[min(have, key=lambda b: (abs(b - bucket), b))] if have else None
+
     def draft_seconds(self, bucket: int, k: int) -> float:
         """Drafting seconds per step of chain-k in ``bucket``: measured (EMA),
         else the measured chain arms' mean seconds per depth times k (each
-        depth is one head forward over the batch), else 0."""
-        measured = self._draft.get(bucket, {})
+        depth is one head forward over the batch), else 0. A bucket with no
+        chain measured yet borrows the nearest bucket's (the head's forwards
+        cost about the same at any batch size here: few rows, one layer)."""
+        measured = self._nearest(self._draft, bucket) or {}
         if k in measured:
             return measured[k]
         if not measured:
@@ -585,14 +594,20 @@ class ShapeBandit:
         N (its power of two): the verify-cost model at N query rows (plain)
         or N x (1 + k) (chain-k), plus what the arm's steps measured outside
         the forward (scheduling, sampling, ...; chains pooled) and chain-k's
-        drafting (:meth:`draft_seconds`). None: no verify-cost model, a tree,
-        or nothing measured yet."""
+        drafting (:meth:`draft_seconds`). The measured parts of a bucket that
+        has not run the arm yet are the nearest bucket's: so a bucket the
+        batch enters (a run's drain passes through 8, 4, 2, 1) starts from
+        the shape the model predicts best there, not from a search that
+        measures plain first. None: no verify-cost model, a tree, or nothing
+        measured yet."""
         k = chain_length(arm)
         if self.verify_cost is None or (k is None and arm != "plain"):
             return None
-        other = self._other.get(bucket, {}).get("plain" if k is None else "chain")
-        if other is None:
+        key = "plain" if k is None else "chain"
+        others = self._nearest(self._other, bucket, key)
+        if others is None:
             return None
+        other = others[key]
         n = float(1 << bucket)
         if k is None:
             return self.verify_cost(n) + other
