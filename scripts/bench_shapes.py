@@ -78,6 +78,10 @@ def main():
     if bandit is not None:
         print("bandit tokens/s:", json.dumps(bandit.summary()))
         print("bandit windows:", json.dumps(bandit.window_counts()))
+        cost = bandit.verify_cost
+        print(f"bandit forward model: {1e3 * cost.a:.1f} ms + {1e3 * cost.b:.3f} ms per row "
+              f"(speed {getattr(cost, 'speed', 1.0):.3f})")
+        print("bandit model:", json.dumps(bandit.model_summary()))
         st = runner.tree_stats
         print(f"drafted steps {st['steps']}, accepted per depth {st['accepted_per_depth']}, "
               f"drafted per depth {st['drafted_per_depth']}")

@@ -126,8 +126,11 @@ def test_goodput_probes_verify_cost_at_start_up():
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
     finally:
         free_llm(llm)
-    # 4 sizes x 2 timed runs before any request; a forward pass costs time
-    assert g["steps_timed"] == 8
+    # powers of two up to max_num_seqs x (1 + max_depth) = 48, and 48; 2
+    # timed runs each before any request; a forward pass costs time
+    sizes = [1, 2, 4, 8, 16, 32, 48]
+    assert g["steps_timed"] == 2 * len(sizes)
+    assert g["forward_seconds_a"] + 48 * g["forward_seconds_per_row"] > 0
     assert g["verify_seconds_a"] + 64 * g["verify_seconds_per_row"] > 0
 
 

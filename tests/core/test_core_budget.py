@@ -25,6 +25,24 @@ def test_linear_cost_never_decreasing():
     assert c.b == 0.0 and c.a == pytest.approx(2.0)
 
 
+def test_drifting_cost_fits_decode_forwards_and_tracks_the_speed():
+    """DriftingCost: a line over decode forwards only, times the speed, an
+    EMA of observed / fitted."""
+    from vllm_eagle_tree.core.budget import DriftingCost
+
+    c = DriftingCost(speed_decay=0.5)
+    for x in (1, 16, 64, 256):
+        c.observe(x, 0.1 + 0.002 * x)
+    assert (c.line.a, c.line.b, c.speed) == pytest.approx((0.1, 0.002, 1.0))
+    c.observe(300, 0.01, decode=False)  # a prefill step: ignored
+    assert (c.line.a, c.line.b, c.speed) == pytest.approx((0.1, 0.002, 1.0))
+    c.observe(64, 2 * (0.1 + 0.002 * 64))  # the machine at half speed
+    fitted = c.line(64)
+    assert c.speed == pytest.approx(0.5 + 0.5 * 2 * 0.228 / fitted)
+    assert c(128) == pytest.approx(c.speed * c.line(128))
+    assert (c.a, c.b) == pytest.approx((c.speed * c.line.a, c.speed * c.line.b))
+
+
 def brute_force(probs, B, a, b, draft):
     best = None
     p = sorted(probs, reverse=True)
@@ -555,6 +573,12 @@ def test_shape_bandit_predicts_plain_and_chains_from_the_cost_model():
     for k, draft in ((1, 0.006), (3, 0.015), (2, 2 * per_depth), (4, 4 * per_depth)):
         assert bandit.model_seconds(4, f"chain-{k}") == pytest.approx(
             cost(16 * (1 + k)) + other + draft), k
+    summary = bandit.model_summary()["16"]
+    assert summary["predicted"] == {a: round(bandit.rate(4, a), 2)
+                                    for a in ("plain", "chain-1", "chain-2", "chain-3", "chain-4")}
+    assert summary["draft_ms"] == {1: 6.0, 3: 15.0}
+    assert summary["other_ms"] == {"chain": round(1e3 * other, 2),
+                                   "plain": round(1e3 * other_plain, 2)}
     # without timed forwards (or without a model): each arm's own windows
     legacy = ShapeBandit(max_depth=4, window=4)
     legacy.observe_chain(drafted=[4] * 4, accepted=[1, 2, 3, 4], decay=1.0)
@@ -580,8 +604,10 @@ def _simulate_bandit(model: bool, forward, rest, drift, windows: int = 40, batch
     from vllm_eagle_tree.core.budget import DriftingCost, ShapeBandit, chain_length
 
     cost = DriftingCost() if model else None
-    for n in (1, 16, 64, 256) if model else ():
-        cost.observe(n, forward(n))
+    if model:  # the start-up probe: powers of two up to the largest chain step
+        top = batch * (1 + max_depth)
+        for n in [1 << i for i in range(top.bit_length())] + [top]:
+            cost.observe(n, forward(n))
     bandit = ShapeBandit(max_depth=max_depth, window=4, verify_cost=cost)
     bandit.observe_chain(drafted=[max_depth] * len(accepted), accepted=list(accepted), decay=1.0)
 
@@ -599,8 +625,9 @@ def _simulate_bandit(model: bool, forward, rest, drift, windows: int = 40, batch
     for w in range(windows):
         arm = bandit.choose(batch)
         chosen.append(arm)
-        if cost is not None:
-            cost.observe(rows(arm) + prompts[w], forward(rows(arm) + prompts[w]) * drift(w, arm))
+        if cost is not None:  # a prefill chunk's rows cost 30% less than a decode step's
+            cost.observe(rows(arm) + prompts[w], 0.7 * forward(rows(arm) + prompts[w])
+                         * drift(w, arm), decode=False)
         bandit.observe(tokens=batch, seconds=1.0, requests=batch, rows=batch)  # not counted
         for _ in range(3):
             bandit.choose(batch)

@@ -182,11 +182,19 @@ class TreeRunnerMixin:
         # head's rows are held per request (PendingRows) until its next draft.
         self.hold_plain_rows = self.tree_drafter._kv_layer is None
 
-    def probe_verify_cost(self, sizes=(1, 16, 64, 256), repeats: int = 2) -> None:
-        """Seed the goodput planner's verify-cost model at start-up: time vLLM's
-        dummy forward pass (attention included) at a few query sizes."""
-        sizes = [n for n in sizes if n <= self.scheduler_config.max_num_batched_tokens]
-        for n in sizes:
+    def probe_sizes(self) -> list[int]:
+        """Query rows the start-up probe times: powers of two up to the most a
+        decode step can verify as chains (max_num_seqs x (1 + max_depth)),
+        and that number."""
+        top = min(self.scheduler_config.max_num_batched_tokens,
+                  self.scheduler_config.max_num_seqs * (1 + self.eagle2.tree.max_depth))
+        sizes = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+        return sizes + ([top] if sizes[-1] != top else [])
+
+    def probe_verify_cost(self, repeats: int = 2) -> None:
+        """Seed the goodput cost models at start-up: time vLLM's dummy forward
+        pass (attention included) at :meth:`probe_sizes`."""
+        for n in self.probe_sizes():
             self._dummy_run(n, force_attention=True)  # warm
             for _ in range(repeats):
                 t = time.perf_counter()
@@ -292,7 +300,8 @@ class TreeRunnerMixin:
         t = time.perf_counter()
         out = super()._model_forward(*args, **kwargs)
         self._step_forward = time.perf_counter() - t
-        self.tree_planner.observe_verify(rows, self._step_forward, tree_rows=tree_rows)
+        self.tree_planner.observe_verify(rows, self._step_forward, tree_rows=tree_rows,
+                                         decode=self._step_prefill_rows == 0)
         return out
 
     # --------------------------------------------------- 2. attention mask

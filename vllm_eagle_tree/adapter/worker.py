@@ -55,6 +55,9 @@ class TreeCPUWorker(CPUWorker):
                 "acceptance_by_depth_and_value": planner.calibration.table(),
                 "arm_tokens_per_second": self.model_runner.tree_bandit.summary(),
                 "arm_windows": self.model_runner.tree_bandit.window_counts(),
+                "forward_seconds_a": planner.forward_cost.line.a,
+                "forward_seconds_per_row": planner.forward_cost.line.b,
+                "forward_speed": planner.forward_cost.speed,
                 "arm": self.model_runner.tree_bandit.current,
                 "last_plan": None if plan is None else vars(plan).copy(),
             }

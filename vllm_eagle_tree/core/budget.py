@@ -83,35 +83,46 @@ class LinearCost:
 
 class DriftingCost:
     """``seconds(x) = speed * (a + b * x)``: a line fitted over a long window
-    of observations (its shape, how the target forward grows with query rows,
-    which a few noisy steps cannot tilt), times the machine's current speed:
-    an EMA over the last steps of observed / fitted seconds, which moves the
-    cost of every ``x`` alike. This machine drifts 10-20% within minutes; a
-    line fitted on the last 64 steps alone follows the drift, and when those
-    steps come in two groups of rows (plain's N, chain-1's 2N, a few windows
-    each) a slow window of one group tilts its slope."""
+    of decode forwards (its shape, how the target forward grows with query
+    rows ``x``), times the machine's current speed, an EMA over the last
+    decode forwards of observed / fitted seconds, which moves the cost of
+    every ``x`` alike (this machine drifts 10-20% within minutes).
+
+    Decode forwards only (and the start-up probe): a prefill chunk's rows
+    cost less than a decode step's, whose every row attends to its request's
+    whole context, and a line over all forwards is dominated by prefills (on
+    the AVX2 machine it put 1.36 ms per row where decode steps cost ~1.8
+    between 64 and 128 rows, so chain-1 looked 4% faster than plain at batch
+    64 where it is not). A long window, because a line fitted on the last
+    64 steps follows the drift, and when those steps come in two groups of
+    rows (plain's N, chain-1's 2N, a few windows each) one slow window tilts
+    its slope."""
 
     def __init__(self, window: int = 1024, speed_decay: float = 0.8):
-        self.shape = LinearCost(window=window)
+        self.line = LinearCost(window=window)
         self.speed = 1.0
         self.speed_decay = speed_decay
 
-    def observe(self, x: float, seconds: float) -> None:
-        self.shape.observe(x, seconds)
-        fitted = self.shape(x)
+    def observe(self, x: float, seconds: float, decode: bool = True) -> None:
+        """A timed forward of ``x`` query rows; ``decode``: it has no prefill
+        rows (others are ignored)."""
+        if not decode:
+            return
+        self.line.observe(x, seconds)
+        fitted = self.line(x)
         if fitted > 0.0:
             self.speed = self.speed_decay * self.speed + (1 - self.speed_decay) * seconds / fitted
 
     @property
     def a(self) -> float:
-        return self.speed * self.shape.a
+        return self.speed * self.line.a
 
     @property
     def b(self) -> float:
-        return self.speed * self.shape.b
+        return self.speed * self.line.b
 
     def __call__(self, x: float) -> float:
-        return self.speed * self.shape(x)
+        return self.speed * self.line(x)
 
 
 @dataclass
@@ -331,13 +342,15 @@ class GoodputPlanner:
         for r in [r for r in self.request_factor if r not in live]:
             del self.request_factor[r]
 
-    def observe_verify(self, query_rows: int, seconds: float, tree_rows: int = 0) -> None:
+    def observe_verify(self, query_rows: int, seconds: float, tree_rows: int = 0,
+                       decode: bool = True) -> None:
         """A verify forward's wall time. Steps without trees (prefills, plain
         decodes, the start-up probe) fit the per-row cost; steps with trees
-        update the extra cost a tree step carries on top (tree attention)."""
+        update the extra cost a tree step carries on top (tree attention).
+        ``decode``: the step has no prefill rows."""
         if tree_rows == 0:
             self.verify_cost.observe(query_rows, seconds)
-            self.forward_cost.observe(query_rows, seconds)
+            self.forward_cost.observe(query_rows, seconds, decode=decode)
         else:
             extra = max(seconds - self.verify_cost(query_rows), 0.0)
             self.tree_overhead = extra if self.tree_overhead == 0.0 else \
@@ -810,6 +823,20 @@ class ShapeBandit:
         """Measured tokens/s per batch-size bucket (its power of two) and arm."""
         return {str(1 << b): {a: round(self.rate(b, a), 2) for a, st in arms.items() if st[1] > 0}
                 for b, arms in self.stats.items()}
+
+    def model_summary(self) -> dict:
+        """Per batch-size bucket the bandit has run in: the model's predicted
+        tokens/s of plain and every chain length, and its measured parts
+        (seconds per step outside the forward, drafting per chain length)."""
+        out = {}
+        for b in sorted(self.stats):
+            rates = {a: self.rate(b, a) for a in self.arms[:-1]}
+            out[str(1 << b)] = {
+                "predicted": {a: round(r, 2) for a, r in rates.items()
+                              if r is not None and self.model_seconds(b, a) is not None},
+                "other_ms": {k: round(1e3 * v, 2) for k, v in self._other.get(b, {}).items()},
+                "draft_ms": {k: round(1e3 * v, 2) for k, v in self._draft.get(b, {}).items()}}
+        return out
 
     def window_counts(self) -> dict:
         """Measured windows per batch-size bucket and arm (how often each ran)."""
