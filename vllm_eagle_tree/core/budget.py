@@ -32,8 +32,8 @@ import torch
 from .tree import TreeBatch
 
 __all__ = ["LinearCost", "DriftingCost", "ValueCalibration", "BudgetPlan", "plan_budget",
-           "prune_to_top", "best_chains", "greedy_chain_acceptance", "GoodputPlanner", "ShapeBandit",
-           "chain_length"]
+           "prune_to_top", "best_chains", "greedy_chain_acceptance", "GoodputPlanner",
+           "ShapeBandit", "chain_length"]
 
 
 @dataclass
@@ -500,13 +500,15 @@ class ShapeBandit:
       speculation margin: with plain best, chain-2 is only tried if chain-1
       came within 2% of beating plain by 10% (measuring against plain itself
       walked through chain-2..4 at batch 64, each 20-40% slower than plain);
-    * plain is measured in every bucket and always re-measured like a
-      neighbour (at batch 16 a run started from chain-2, measured chain-1
-      slower in a slow moment and never tried plain, the fastest there);
+    * plain is measured in every bucket (unless the model predicts it from
+      a nearby bucket's) and always re-measured like a neighbour (at batch
+      16 a run started from chain-2, measured chain-1 slower in a slow
+      moment and never tried plain, the fastest there);
     * then the best arm is kept, and a neighbour (other than, while a chain
       is best, a chain the model predicts from its own measured drafting)
-      is re-measured once its turn comes: after ``explore_every`` windows, times ``1 + gap / 0.05``
-      where ``gap`` is how much faster it must get to be chosen, margins
+      is re-measured once its turn comes: after ``explore_every`` windows,
+      times ``1 + gap / 0.05`` where ``gap`` is how much faster it must get
+      to be chosen, margins
       included (:meth:`_gap`; a neighbour that needs 20% is revisited every
       5 x 8 windows, costing about 0.5%).
     """
@@ -631,10 +633,11 @@ class ShapeBandit:
 
         Plain and chain arms, with a verify-cost model and timed forwards:
         ``N x tokens per request / model_seconds``, a chain-k predicted
-        for every k once any chain has run in the bucket. The target
-        forward, most of a step and what drifts with the machine, comes
-        from one model fitted on every recent step (so a slow moment moves
-        every arm alike); the rest is measured per arm and small. So arms
+        for every k once any chain has run in the bucket (or a nearby
+        one). The target forward, most of a step and what drifts with the
+        machine, comes from one model fitted on every recent decode forward
+        (so a slow moment moves every arm alike); the rest is measured per
+        arm and small. So arms
         are ranked with little noise, not by their own few windows: a
         chain-2 window measured 10% slow in a slow moment no longer left
         chain-1 chosen for the rest of a run (issue 6, batch 16 on AVX2),
