@@ -188,7 +188,7 @@ class TreeRunnerMixin:
         and that number."""
         top = min(self.scheduler_config.max_num_batched_tokens,
                   self.scheduler_config.max_num_seqs * (1 + self.eagle2.tree.max_depth))
-        sizes = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+        sizes = [1 << i for i in range(top.bit_length())]  # each <= top
         return sizes + ([top] if sizes[-1] != top else [])
 
     def probe_verify_cost(self, repeats: int = 2) -> None:
