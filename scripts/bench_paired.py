@@ -18,6 +18,7 @@ whose geometric mean and 95% t-interval (on log ratios) are reported.
     .venv/bin/python scripts/bench_paired.py --batch-sizes 4 --chain-ks 4=2,3 --rounds 8
     .venv/bin/python scripts/bench_paired.py --batch-sizes 16 --shapes plain chain-2 --rounds 4
     .venv/bin/python scripts/bench_paired.py --report results/eagle2_paired.json
+    .venv/bin/python scripts/bench_paired.py --report A.json B.json --out pooled.json
 
 ``--shapes`` adds diagnostic cells: the adaptive engine with its shape
 bandit pinned to one shape (plain, chain-K, tree), which separates what a
@@ -27,7 +28,9 @@ baseline.
 Writes results/eagle2_paired.json (every cell, as it completes) and .png,
 and prints markdown tables, the last one for keeping one setting for every
 batch size: each method's worst paired ratio to a batch size's baseline.
-``--report JSON`` recomputes all that from a saved run.
+``--report JSON`` recomputes all that from a saved run; with several JSONs
+(runs of the same code), it pools their rounds per batch size and method
+into ``--out`` (only methods measured in every run; rounds renumbered).
 """
 from __future__ import annotations
 
@@ -267,12 +270,18 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-tokens-per-cell", type=int, default=2048)
     ap.add_argument("--out", default=str(ROOT / "results" / "eagle2_paired.json"))
-    ap.add_argument("--report", metavar="JSON",
+    ap.add_argument("--report", metavar="JSON", nargs="+",
                     help="run nothing: recompute the summaries of a saved run, rewrite it "
-                         "and its plot, print the tables")
+                         "and its plot, print the tables; several runs: pool them into --out")
     args = ap.parse_args()
     if args.report:
-        report(Path(args.report))
+        if len(args.report) == 1:
+            report(Path(args.report[0]))
+            return
+        out = Path(args.out)
+        if out.resolve() in {Path(r).resolve() for r in args.report}:
+            raise SystemExit(f"--out {out}: pooling would overwrite one of the --report inputs")
+        report(out, pool([Path(r) for r in args.report]))
         return
     if args.rounds < 2:
         raise SystemExit("--rounds must be at least 2 (a confidence interval needs two)")
@@ -306,6 +315,35 @@ def main():
             res["summary"] = summarize(res["cells"]) if r >= 1 else {}
             out.write_text(json.dumps(results, indent=1) + "\n")
     report(out, results)
+
+
+def pool(paths: list[Path]) -> dict:
+    """The rounds of several saved runs as one run: per batch size, each
+    method measured in every run that has that batch size gets all their
+    cells, rounds renumbered in order."""
+    runs = []
+    for p in paths:
+        if not p.is_file():
+            raise SystemExit(f"--report {p}: no such file")
+        runs.append(json.loads(p.read_text()))
+    pooled = {"command": " | ".join(r["command"] for r in runs), "pooled": [str(p) for p in paths],
+              "rounds": 0, "max_tokens": runs[0]["max_tokens"],
+              "min_tokens_per_cell": runs[0]["min_tokens_per_cell"], "batch_sizes": {}}
+    if any(r["max_tokens"] != pooled["max_tokens"] for r in runs):
+        raise SystemExit("--report: the runs differ in max_tokens; their rounds cannot be pooled")
+    for bs in sorted({b for r in runs for b in r["batch_sizes"]}, key=int):
+        have = [r["batch_sizes"][bs]["cells"] for r in runs if bs in r["batch_sizes"]]
+        methods = [m for m in have[0] if all(m in cells for cells in have[1:])]
+        merged: dict[str, list[dict]] = {m: [] for m in methods}
+        offset = 0
+        for cells in have:
+            n = max((c["round"] + 1 for m in methods for c in cells[m]), default=0)
+            for m in methods:
+                merged[m] += [dict(c, round=c["round"] + offset) for c in cells[m]]
+            offset += n
+        pooled["batch_sizes"][bs] = {"cells": merged}
+        pooled["rounds"] = max(pooled["rounds"], offset)
+    return pooled
 
 
 def report(path: Path, results: dict | None = None) -> None:

@@ -82,3 +82,39 @@ def test_one_setting_is_the_worst_ratio_over_batch_sizes():
     assert one["eagle2 adaptive"]["per_batch"] == {"1": round(math.sqrt(0.95), 4),
                                                    "64": round(math.sqrt(0.95), 4)}
     assert "worst" in bp["markdown"](dict(results, one_setting=one))
+
+
+def test_pool_joins_rounds_of_several_runs(tmp_path):
+    """Pooled runs: every method measured in every run gets all its cells,
+    rounds renumbered after the earlier runs'; a method one run lacks is
+    left out; the pooled paired ratio is the one over all rounds."""
+    import json
+
+    def run(rounds, extra=False):
+        cells = {"vanilla": [], "eagle2 adaptive": []}
+        if extra:
+            cells["vLLM eagle3 K=3"] = []
+        for r, (van, ours) in enumerate(rounds):
+            cells["vanilla"].append({"tokens_per_s": van, "round": r})
+            cells["eagle2 adaptive"].append({"tokens_per_s": ours, "round": r})
+            if extra:
+                cells["vLLM eagle3 K=3"].append({"tokens_per_s": 1.0, "round": r})
+        return {"command": "x", "rounds": len(rounds), "max_tokens": 64,
+                "min_tokens_per_cell": 2048, "batch_sizes": {"4": {"cells": cells}}}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(run([(100, 90), (80, 76)], extra=True)))
+    b.write_text(json.dumps(run([(120, 126)])))
+    pooled = bp["pool"]([a, b])
+    cells = pooled["batch_sizes"]["4"]["cells"]
+    assert set(cells) == {"vanilla", "eagle2 adaptive"}
+    assert [c["round"] for c in cells["vanilla"]] == [0, 1, 2]
+    assert [c["tokens_per_s"] for c in cells["eagle2 adaptive"]] == [90, 76, 126]
+    assert pooled["rounds"] == 3
+    r = bp["summarize"](cells)["adaptive_over_baseline"]
+    assert r["ratio"] == pytest.approx((0.9 * 0.95 * 1.05) ** (1 / 3), abs=1e-4)
+    c = run([(1, 1)])
+    c["max_tokens"] = 32
+    (tmp_path / "c.json").write_text(json.dumps(c))
+    with pytest.raises(SystemExit, match="max_tokens"):
+        bp["pool"]([a, tmp_path / "c.json"])
