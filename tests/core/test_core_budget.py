@@ -774,3 +774,81 @@ def test_shape_bandit_enters_a_new_bucket_with_the_model_best_shape():
                            forward=cost(4 * (1 + k)))
     # the tree, next to chain-3 and not predicted, is measured once (slower)
     assert first == ["tree"] + [best] * 5, first
+
+
+def _forced_windows(bandit, cost, windows):
+    """Runs ``windows`` [(arm, speed, step)] at batch 4 with the bandit's
+    picks forced: ``step(arm)`` gives (tokens per request, query rows,
+    forward seconds, drafting seconds, other seconds) at full speed; every
+    part of the step is multiplied by ``speed`` (the machine's drift moves
+    the whole step), and the forwards of arms other than the tree feed
+    ``cost`` as the planner does (tree forwards carry tree attention)."""
+    arms = iter([arm for arm, _, _ in windows])
+    bandit._pick = lambda b: next(arms)
+    for arm, speed, step in windows:
+        assert bandit.choose(4) == arm
+        tokens, rows, fwd, draft, other = step(arm)
+        for _ in range(4):  # the first observation is the previous arm's: not counted
+            bandit.choose(4)
+            if arm != "tree":
+                cost.observe(rows, speed * fwd)
+            bandit.observe(tokens=4 * tokens, seconds=speed * (fwd + draft + other), requests=4,
+                           rows=rows, draft=speed * draft, forward=speed * fwd)
+    del bandit._pick
+    bandit.choose(4)  # closes the last window
+
+
+def test_shape_bandit_models_the_tree_step_from_its_measured_parts():
+    """The tree's step is the model's forward at its rows times its measured
+    ratio to it (tree attention), plus its measured drafting and time
+    outside the forward; its tokens per request are its windows'."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    cost = LinearCost(a=0.1, b=0.002)
+    bandit = ShapeBandit(max_depth=2, window=4, verify_cost=cost)
+
+    def step(arm):  # a tree of 3 nodes a request: 16 rows, 1.25x the model's forward
+        return (2.6, 16, 1.25 * cost(16), 0.012, 0.003) if arm == "tree" else \
+            (1.0, 4, cost(4), 0.0, 0.002)
+
+    _forced_windows(bandit, cost, [("plain", 1.0, step), ("tree", 1.0, step)])
+    assert bandit.model_seconds(2, "tree") == pytest.approx(1.25 * cost(16) + 0.012 + 0.003)
+    assert bandit.rate(2, "tree") == pytest.approx(4 * 2.6 / (1.25 * cost(16) + 0.015))
+    assert bandit.model_summary()["4"]["tree"] == {
+        "forward_ratio": 1.25, "rows_per_request": 4.0, "other_ms": 3.0, "draft_ms": 12.0}
+    assert bandit.model_seconds(1, "tree") is None  # not borrowed: tree sizes depend on the batch
+
+
+def test_shape_bandit_tree_measured_in_a_quick_moment_does_not_outrank_the_best_chain():
+    """Batch 4 on the AVX2 machine: the tree ran a window while the machine
+    was quick and, ranked by its own windows, kept a rate the chains
+    (predicted at the machine's current speed) no longer reach, so it was
+    chosen though its steps are 10% slower. On the model (its forward as a
+    ratio to the line at that moment) it is not."""
+    from vllm_eagle_tree.core.budget import DriftingCost, ShapeBandit
+
+    def f(n):  # the target forward at full speed: 0.1 s + 2 ms per query row
+        return 0.1 + 0.002 * n
+
+    cost = DriftingCost()
+    for n in (1, 2, 4, 8, 12, 16):  # the start-up probe
+        cost.observe(n, f(n))
+    bandit = ShapeBandit(max_depth=2, window=4, verify_cost=cost)
+    bandit.observe_chain(drafted=[2] * 10, accepted=[2, 2, 2, 2, 1, 1, 1, 1, 0, 0], decay=1.0)
+
+    def step(arm):  # chain-2: 12 rows; the tree: 16 rows, tree attention 1.25x
+        return (2.6, 16, 1.25 * f(16), 0.012, 0.003) if arm == "tree" else \
+            (bandit.chain_tokens(2), 12, f(12), 0.008, 0.003)
+
+    def true_rate(arm):
+        tokens, _, fwd, draft, other = step(arm)
+        return 4 * tokens / (fwd + draft + other)
+
+    assert true_rate("tree") < 0.92 * true_rate("chain-2")
+    _forced_windows(bandit, cost, [("chain-2", 1.0, step)] * 3  # normal speed
+                    + [("chain-2", 0.75, step)] * 3 + [("tree", 0.75, step)]  # a quick moment
+                    + [("chain-2", 1.0, step)] * 3)  # back to normal
+    window_rate = bandit.stats[2]["tree"][0] / bandit.stats[2]["tree"][1]  # its own window
+    assert window_rate > 1.1 * bandit.rate(2, "chain-2")  # what ranked it before
+    assert bandit.rate(2, "tree") < bandit.rate(2, "chain-2")
+    assert bandit.best(2) == "chain-2"

@@ -470,7 +470,16 @@ class ShapeBandit:
     its query rows plus what the arm measured outside the forward and its
     drafting (:meth:`model_seconds`), so that the machine's drift, which
     moves every arm alike, no longer ranks the arms, and a chain-k never
-    run is predicted too. The tree is still ranked by its own windows.
+    run is predicted too. So is the tree, once it has run in the bucket:
+    its tokens per request come from its own windows (tokens per step vary
+    little), its step from the same model, with its forward as the
+    measured ratio to the line at its query rows (tree attention costs
+    extra) at its measured rows per request (the planner sizes trees),
+    plus its own time outside the forward and drafting: a tree window
+    measured in a quick moment no longer outranks the chains once the
+    machine is back to its speed (on the AVX2 machine at batch 4 it came
+    within 0.1% of the best chain that way and ran more windows, each
+    15-20% slower).
 
     A window's rate leaves out what speculating costs outside the decode
     steps it counts: requests that finish at different steps (the number of
@@ -533,6 +542,10 @@ class ShapeBandit:
         # and drafting (every chain length pooled); bucket -> k -> drafting
         self._other: dict[int, dict[str, float]] = {}
         self._draft: dict[int, dict[int, float]] = {}
+        # bucket -> the tree's measured parts, per-step EMAs: "ratio" (its
+        # forward over the model's at its rows), "rows" per request,
+        # "other" (outside the forward and drafting) and "draft" seconds
+        self._tree: dict[int, dict[str, float]] = {}
         self._waited: dict[int, dict[str, int]] = {}  # bucket -> neighbour -> windows since measured
         self._closed: dict[int, int] = {}  # bucket -> windows measured in it
         self._last: dict[int, dict[str, int]] = {}  # bucket -> arm -> its last window's number
@@ -549,9 +562,10 @@ class ShapeBandit:
     @staticmethod
     def _empty_window() -> dict[str, list[float]]:
         # [tokens, seconds, counted steps, requests, drafting s, other s,
-        #  steps with the forward timed]
-        return {"clean": [0.0, 0.0, 0, 0.0, 0.0, 0.0, 0],
-                "prefill": [0.0, 0.0, 0, 0.0, 0.0, 0.0, 0]}
+        #  steps with the forward timed, forward / model's forward at the
+        #  step's rows, query rows per request]
+        return {"clean": [0.0, 0.0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0.0],
+                "prefill": [0.0, 0.0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0.0]}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -613,10 +627,21 @@ class ShapeBandit:
         has not run the arm yet are the nearest bucket's: so a bucket the
         batch enters (a run's drain passes through 8, 4, 2, 1) starts from
         the shape the model predicts best there, not from a search that
-        measures plain first. None: no verify-cost model, a tree, or nothing
-        measured yet."""
+        measures plain first. The tree: its forward ratio times the model at
+        N x its rows per request, plus its time outside the forward and its
+        drafting, all measured in this bucket (a tree's size depends on the
+        batch size, so none are borrowed). None: no verify-cost model, or
+        nothing measured yet."""
         k = chain_length(arm)
-        if self.verify_cost is None or (k is None and arm != "plain"):
+        if self.verify_cost is None:
+            return None
+        if arm == "tree":
+            t = self._tree.get(bucket)
+            if t is None:
+                return None
+            n = float(1 << bucket)
+            return t["ratio"] * self.verify_cost(n * t["rows"]) + t["other"] + t["draft"]
+        if k is None and arm != "plain":
             return None
         key = "plain" if k is None else "chain"
         others = self._nearest(self._other, bucket, key)
@@ -642,14 +667,15 @@ class ShapeBandit:
         chain-2 window measured 10% slow in a slow moment no longer left
         chain-1 chosen for the rest of a run (issue 6, batch 16 on AVX2),
         nor did chain-1 windows measured fast in a quick one choose it
-        over plain at batch 64. The tree, and every arm without a model,
-        by its own windows."""
+        over plain at batch 64. The tree by the model's step and its own
+        windows' tokens per request; every arm without a model by its own
+        windows."""
         k = chain_length(arm)
         seconds = self.model_seconds(bucket, arm)
-        if seconds is not None:
-            tokens = 1.0 if k is None else self.chain_tokens(k)
-            return (1 << bucket) * tokens / max(seconds, 1e-12)
         st = self.stats.get(bucket, {}).get(arm)
+        if seconds is not None and (arm != "tree" or (st is not None and st[3] > 0)):
+            tokens = st[0] / st[3] if arm == "tree" else 1.0 if k is None else self.chain_tokens(k)
+            return (1 << bucket) * tokens / max(seconds, 1e-12)
         if st is None or st[1] <= 0:
             return None
         if k is not None:
@@ -767,6 +793,11 @@ class ShapeBandit:
             self._skip = False
             return
         other = None if forward is None else max(seconds - forward - draft, 0.0)
+        ratio = per_request = 0.0
+        if forward is not None and rows and requests and self.verify_cost is not None:
+            fitted = self.verify_cost(rows)
+            ratio = forward / fitted if fitted > 0.0 else 0.0
+            per_request = rows / float(requests)
         if rows is not None and requests and self.verify_cost is not None and self._bucket >= 0:
             n, size = float(requests), float(1 << self._bucket)
             tokens = tokens * size / n
@@ -782,10 +813,13 @@ class ShapeBandit:
         if other is not None:
             acc[5] += other
             acc[6] += 1
+            acc[7] += ratio
+            acc[8] += per_request
 
     def _close_window(self) -> None:
         clean = self._acc["clean"]
-        tok, sec, n, req, draft, other, timed = clean if clean[2] > 0 else self._acc["prefill"]
+        tok, sec, n, req, draft, other, timed, ratio, per_request = \
+            clean if clean[2] > 0 else self._acc["prefill"]
         timed *= clean[2] > 0  # the model learns from steps without prefill rows only
         self._acc = self._empty_window()
         if n <= 0 or sec <= 0:
@@ -800,6 +834,12 @@ class ShapeBandit:
             others = self._other.setdefault(b, {})
             key = "plain" if k is None else "chain"
             others[key] = self._ema(others.get(key), other / n)
+        elif self.verify_cost is not None and timed == n and arm == "tree" and ratio > 0.0:
+            parts = {"ratio": ratio / n, "rows": per_request / n, "other": other / n,
+                     "draft": draft / n}
+            old = self._tree.get(b)
+            self._tree[b] = parts if old is None else \
+                {key: self._ema(old[key], x) for key, x in parts.items()}
         number = self._closed[b] = self._closed.get(b, 0) + 1
         last = self._last.setdefault(b, {})
         age = number - last.get(arm, number) - 1  # windows of other arms since its last
@@ -829,16 +869,23 @@ class ShapeBandit:
 
     def model_summary(self) -> dict:
         """Per batch-size bucket the bandit has run in: the model's predicted
-        tokens/s of plain and every chain length, and its measured parts
-        (seconds per step outside the forward, drafting per chain length)."""
+        tokens/s of plain, every chain length and the tree (once it has run
+        there), and its measured parts (seconds per step outside the
+        forward, drafting per chain length; the tree's forward ratio, rows
+        per request, time outside the forward and drafting)."""
         out = {}
         for b in sorted(self.stats):
-            rates = {a: self.rate(b, a) for a in self.arms[:-1]}
+            rates = {a: self.rate(b, a) for a in self.arms}
             out[str(1 << b)] = {
                 "predicted": {a: round(r, 2) for a, r in rates.items()
                               if r is not None and self.model_seconds(b, a) is not None},
                 "other_ms": {k: round(1e3 * v, 2) for k, v in self._other.get(b, {}).items()},
                 "draft_ms": {k: round(1e3 * v, 2) for k, v in self._draft.get(b, {}).items()}}
+            if b in self._tree:
+                t = self._tree[b]
+                out[str(1 << b)]["tree"] = {
+                    "forward_ratio": round(t["ratio"], 3), "rows_per_request": round(t["rows"], 2),
+                    "other_ms": round(1e3 * t["other"], 2), "draft_ms": round(1e3 * t["draft"], 2)}
         return out
 
     def window_counts(self) -> dict:
