@@ -793,8 +793,9 @@ class ShapeBandit:
             self._skip = False
             return
         other = None if forward is None else max(seconds - forward - draft, 0.0)
-        ratio = per_request = 0.0
-        if forward is not None and rows and requests and self.verify_cost is not None:
+        ratio = per_request = 0.0  # the tree's model parts (_close_window): tree windows only
+        if self.current == "tree" and forward is not None and rows and requests \
+                and self.verify_cost is not None:
             fitted = self.verify_cost(rows)
             ratio = forward / fitted if fitted > 0.0 else 0.0
             per_request = rows / float(requests)
