@@ -772,8 +772,9 @@ def test_shape_bandit_enters_a_new_bucket_with_the_model_best_shape():
             bandit.observe(tokens=4, seconds=cost(4 * (1 + k)) + 0.003 + 0.004 * k,
                            requests=4, rows=4 * (1 + k), draft=0.004 * k,
                            forward=cost(4 * (1 + k)))
-    # the tree, next to chain-3 and not predicted, is measured once (slower)
-    assert first == ["tree"] + [best] * 5, first
+    # the tree, next to chain-3 and not predicted, is measured once (slower),
+    # then chain-3; chain-2, never run in this bucket, once after it
+    assert first == ["tree", best, "chain-2"] + [best] * 3, first
 
 
 def _forced_windows(bandit, cost, windows):
@@ -852,3 +853,54 @@ def test_shape_bandit_tree_measured_in_a_quick_moment_does_not_outrank_the_best_
     assert window_rate > 1.1 * bandit.rate(2, "chain-2")  # what ranked it before
     assert bandit.rate(2, "tree") < bandit.rate(2, "chain-2")
     assert bandit.best(2) == "chain-2"
+
+
+def test_shape_bandit_runs_a_never_run_neighbouring_chain_once():
+    """Batch 4 on the AVX2 machine: a fresh bucket starts on chain-1, and the
+    model predicts chain-2 from drafting it has not run (twice chain-1's
+    seconds per depth, where a head pass has a fixed part) just short of the
+    2% it must beat chain-1 by. It is faster, but it used to wait for its
+    turn as a neighbour (8 windows and more), every one of them on chain-1.
+    Now it is run once as soon as chain-1 has run, and kept."""
+    from vllm_eagle_tree.core.budget import DriftingCost, ShapeBandit, chain_length
+
+    def f(n):  # the target forward: 0.1 s + 2 ms per query row
+        return 0.1 + 0.002 * n
+
+    cost = DriftingCost()
+    for n in (1, 2, 4, 8, 12, 16, 20, 24):  # the start-up probe
+        cost.observe(n, f(n))
+    bandit = ShapeBandit(max_depth=2, window=4, verify_cost=cost)
+    bandit.observe_chain(drafted=[2] * 100, accepted=[0] * 30 + [1] * 50 + [2] * 20, decay=1.0)
+
+    def step(arm):  # (tokens per request, query rows, forward, drafting, other) at batch 4
+        k = chain_length(arm)
+        if arm == "plain":
+            return 1.0, 4, f(4), 0.0, 0.003
+        if arm == "tree":  # a tree of 6 rows a request, its forward 1.2x the line's
+            return bandit.chain_tokens(2) + 0.1, 24, 1.2 * f(24), 0.02, 0.003
+        return bandit.chain_tokens(k), 4 * (1 + k), f(4 * (1 + k)), 0.005 + 0.003 * k, 0.003
+
+    def true_rate(arm):
+        tokens, _, fwd, draft, other = step(arm)
+        return 4 * tokens / (fwd + draft + other)
+
+    assert true_rate("chain-2") > 1.025 * true_rate("chain-1")  # chain-2 is the best arm
+    assert max(bandit.arms, key=true_rate) == "chain-2"
+    chosen = []
+    for _ in range(12):
+        arm = bandit.choose(4)
+        chosen.append(arm)
+        tokens, rows, fwd, draft, other = step(arm)
+        for _ in range(4):  # the first observation is the previous arm's: not counted
+            bandit.choose(4)
+            if arm != "tree":
+                cost.observe(rows, fwd)
+            bandit.observe(tokens=4 * tokens, seconds=fwd + draft + other, requests=4,
+                           rows=rows, draft=draft, forward=fwd)
+        if len(chosen) == 2:  # chain-1 and plain have run: chain-2 is predicted short of its bar
+            assert bandit.best(2) == "chain-1"
+            assert bandit._gap(2, "chain-1", "chain-2") > bandit.margin
+    assert chosen[:3] == ["chain-1", "plain", "chain-2"], chosen
+    assert bandit.best(2) == "chain-2"
+    assert chosen[3:].count("chain-2") >= 7, chosen  # the tree is measured once, nothing else

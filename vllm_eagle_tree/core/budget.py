@@ -513,6 +513,9 @@ class ShapeBandit:
       a nearby bucket's) and always re-measured like a neighbour (at batch
       16 a run started from chain-2, measured chain-1 slower in a slow
       moment and never tried plain, the fastest there);
+    * while a chain is best and has run in the bucket, a neighbouring chain
+      that has never run there (the model predicts it from query rows and
+      drafting depths the bucket has not run) is run once;
     * then the best arm is kept, and a neighbour (other than, while a chain
       is best, a chain the model predicts from its own measured drafting)
       is re-measured once its turn comes: after ``explore_every`` windows,
@@ -744,6 +747,16 @@ class ShapeBandit:
                 if self._gap(b, best, self.arms[j]) > self.margin:
                     break
                 j += step
+        ran = self.stats.get(b, {})
+        if chain_length(best) is not None and best in ran:
+            for n in neighbours:
+                if chain_length(n) is not None and n not in ran:
+                    # a chain the model predicts from rows and drafting this
+                    # bucket has never run: run it once (batch 4, AVX2: a
+                    # fresh bucket on chain-1 predicted chain-2 2% short and
+                    # stayed on chain-1 for ~8 of ~70 windows until chain-2's
+                    # turn came, which then won the rest)
+                    return n
         waited = self._waited.setdefault(b, {})
         due = []
         for n in neighbours:
