@@ -4,6 +4,8 @@ overlap): prefix caching off with chunked prefill, a KV cache small enough to
 force preemption, the EAGLE-3 head."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from vllm import SamplingParams
 
@@ -91,21 +93,45 @@ def test_adaptive_trees_greedy_identical(vanilla_greedy_200):
     assert d.draft_tokens < 20 * d.drafts, d
 
 
+def _record_bandit_steps(worker):
+    """Test hook: keep the seconds of every engine step the shape bandit is given."""
+    bandit = worker.model_runner.tree_bandit
+    worker.bandit_seconds = seen = []
+    observe = bandit.observe
+
+    def recorded(tokens, seconds, *args, **kwargs):
+        seen.append(seconds)
+        return observe(tokens, seconds, *args, **kwargs)
+    bandit.observe = recorded
+    return True
+
+
+def _bandit_seconds(worker):
+    return list(worker.bandit_seconds)
+
+
 def test_goodput_budget_greedy_identical(vanilla_greedy_200):
     """"goodput": true: each step's node budget comes from live step timings and
     calibrated path values (core/budget.py); output unchanged, the planner has
-    timed steps and planned budgets."""
+    timed steps and planned budgets. The engine's wait for the next batch
+    (3 s here; a lull in a served load) is not counted in the step before it."""
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
             "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
     llm = make_llm(speculative_config=spec, max_num_seqs=32)
     try:
+        assert llm.collective_rpc(_record_bandit_steps) == [True]
         before = spec_counters(llm)
         got = run(llm, PROMPTS[:64], GREEDY)
         _speculated(llm, before)
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+        time.sleep(3.0)
+        run(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))
+        seconds = llm.collective_rpc(_bandit_seconds)[0]
     finally:
         free_llm(llm)
     assert_same(got, vanilla_greedy_200[:64], "goodput")
+    # the last step of the 64 prompts was given to the bandit after the wait
+    assert len(seconds) > 8 and max(seconds) < 1.5, max(seconds)
     assert g["steps_timed"] > 8
     # the shape bandit measured its seed shape and at least one neighbour,
     # in tokens per second

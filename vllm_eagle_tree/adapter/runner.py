@@ -138,6 +138,8 @@ class TreeRunnerMixin:
         self.tree_planner: GoodputPlanner | None = None  # set once the KV cache exists
         self.tree_bandit: ShapeBandit | None = None      # likewise
         self._step_clock: float | None = None  # start of the current engine step
+        self._step_end: float | None = None    # end of its sampling and drafting
+        self._step_req_ids: list[str] = []     # its scheduled requests
         self._step_emitted = 0                 # tokens the current step's decodes emitted
         self._step_requests = 0                # its decoding requests
         self._step_prefill_rows = 0            # its prefill rows
@@ -219,14 +221,27 @@ class TreeRunnerMixin:
             # decoding requests and the tokens they emit are counted.
             now = time.perf_counter()
             if self._step_clock is not None and self._step_emitted > 0:
-                seconds = now - self._step_clock
+                # The engine waits for requests only when none is running:
+                # if none of the last step's requests is scheduled in this
+                # one, it may have waited (a lull in a served load, the
+                # seconds between two offline batches) after its last
+                # step, so that step is timed to the end of its own
+                # sampling. (Counted, the step before the pause between
+                # two `vllm bench serve` runs put the chains' time outside
+                # the forward at ~2.4 s a step at batch 1, which batch 4
+                # borrowed: it kept plain for the whole next run.)
+                ran_on = any(r in scheduler_output.num_scheduled_tokens
+                             for r in self._step_req_ids)
+                end = now if ran_on or self._step_end is None else self._step_end
+                seconds = end - self._step_clock
                 prefill = self.tree_planner.verify_cost.b * self._step_prefill_rows
                 self.tree_bandit.observe(self._step_emitted, max(seconds - prefill, 0.1 * seconds),
                                          self._step_requests, prefill=self._step_prefill_rows > 0,
                                          rows=self._step_decode_rows,
                                          draft=self._step_draft, forward=self._step_forward)
             self._step_clock, self._step_emitted, self._step_draft = now, 0, 0.0
-            self._step_forward = None
+            self._step_forward = self._step_end = None
+            self._step_req_ids = list(scheduler_output.num_scheduled_tokens)
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -462,6 +477,11 @@ class TreeRunnerMixin:
         for n in num_accepted:
             for d in range(n):
                 s["accepted_per_depth"][d] += 1
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        self._step_end = time.perf_counter()  # the step's last work (see _prepare_inputs)
+        return out
 
     # ------------------------------------------------------------ 5. drafts
     def _input_fits_in_drafter(self, *args, **kwargs) -> bool:
