@@ -904,3 +904,56 @@ def test_shape_bandit_runs_a_never_run_neighbouring_chain_once():
     assert chosen[:3] == ["chain-1", "plain", "chain-2"], chosen
     assert bandit.best(2) == "chain-2"
     assert chosen[3:] == ["tree"] + ["chain-2"] * 8, chosen  # the tree measured once, nothing else
+
+
+def test_shape_bandit_runs_chain_1_once_next_to_plain_on_borrowed_parts():
+    """Served, concurrency 1 then 4: a step before the pause between the two
+    runs was timed with the pause in it, so batch 1's chains measured seconds
+    outside the forward, and batch 4, which borrows them until it runs a
+    chain, predicted chain-1 at a twentieth of plain and kept plain for the
+    whole run. Now chain-1, never run in the bucket, is run once after
+    plain, measured at its true speed there, and kept."""
+    from vllm_eagle_tree.core.budget import DriftingCost, ShapeBandit, chain_length
+
+    def f(n):  # the target forward: 0.1 s + 2 ms per query row
+        return 0.1 + 0.002 * n
+
+    cost = DriftingCost()
+    for n in (1, 2, 4, 8, 16):  # the start-up probe
+        cost.observe(n, f(n))
+    bandit = ShapeBandit(max_depth=2, window=4, verify_cost=cost)
+    bandit.observe_chain(drafted=[2] * 100, accepted=[0] * 20 + [1] * 30 + [2] * 50, decay=1.0)
+
+    def windows(batch, arms, other_chain=0.003):
+        chosen = []
+        for forced in arms:
+            arm = bandit.choose(batch)
+            chosen.append(arm)
+            if forced is not None:
+                assert arm == forced, chosen
+            k = chain_length(arm) or 0
+            rows = batch * (1 + k)
+            tokens = 1.0 if arm == "plain" else bandit.chain_tokens(k)
+            draft, other = 0.005 * k, 0.003 if arm == "plain" else other_chain
+            for _ in range(4):
+                bandit.choose(batch)
+                cost.observe(rows, f(rows))
+                bandit.observe(tokens=batch * tokens, seconds=f(rows) + draft + other,
+                               requests=batch, rows=rows, draft=draft, forward=f(rows))
+        return chosen
+
+    # batch 1: chain-1 first, with 2.4 s a step outside its forward (the pause)
+    windows(1, ["chain-1"], other_chain=2.4)
+    assert windows(1, [None, None]) == ["plain", "plain"] and bandit.best(0) == "plain"
+    # batch 4: seeded with plain; chain-1 predicted on batch 1's parts, far below it
+    chosen = windows(2, [None])
+    assert chosen == ["plain"] and bandit.rate(2, "chain-1") < 0.1 * bandit.rate(2, "plain")
+    assert bandit._gap(2, "plain", "chain-1") > bandit.margin  # no walk would try it
+    chosen += windows(2, [None] * 8)
+    # chain-1 run once, measured there; then the search goes on as usual
+    # (chain-2, predicted best from it, and the tree, unmeasured, next to
+    # it) and keeps the best arm, chain-2: 4 x 2.3 tokens in 0.137 s a step
+    assert chosen == ["plain", "chain-1", "tree"] + ["chain-2"] * 6, chosen
+    true = {k: 4 * bandit.chain_tokens(k) / (f(4 * (1 + k)) + 0.005 * k + 0.003) for k in (1, 2)}
+    assert true[2] > true[1] > 1.5 * 4 / (f(4) + 0.003)
+    assert bandit.best(2) == "chain-2"

@@ -513,9 +513,10 @@ class ShapeBandit:
       a nearby bucket's) and always re-measured like a neighbour (at batch
       16 a run started from chain-2, measured chain-1 slower in a slow
       moment and never tried plain, the fastest there);
-    * while a chain is best and has run in the bucket, a neighbouring chain
-      that has never run there (the model predicts it from query rows and
-      drafting depths the bucket has not run) is run once;
+    * once the best arm has run in the bucket, a neighbouring chain that
+      has never run there (the model predicts it from query rows and
+      drafting depths the bucket has not run, or, next to plain, from
+      another bucket's measured parts) is run once;
     * then the best arm is kept, and a neighbour (other than, while a chain
       is best, a chain the model predicts from its own measured drafting)
       is re-measured once its turn comes: after ``explore_every`` windows,
@@ -748,14 +749,17 @@ class ShapeBandit:
                     break
                 j += step
         ran = self.stats.get(b, {})
-        if chain_length(best) is not None and best in ran:
+        if best in ran:
             for n in neighbours:
                 if chain_length(n) is not None and n not in ran:
                     # a chain the model predicts from rows and drafting this
-                    # bucket has never run: run it once (batch 4, AVX2: a
+                    # bucket has never run (or, next to plain, from another
+                    # bucket's measured parts): run it once (batch 4, AVX2: a
                     # fresh bucket on chain-1 predicted chain-2 2% short and
                     # stayed on chain-1 for ~8 of ~70 windows until chain-2's
-                    # turn came, which then won the rest)
+                    # turn came, which then won the rest; served, a bucket
+                    # kept plain for a whole run on chain parts borrowed from
+                    # one measured badly)
                     return n
         waited = self._waited.setdefault(b, {})
         due = []
