@@ -4,6 +4,8 @@ overlap): prefix caching off with chunked prefill, a KV cache small enough to
 force preemption, the EAGLE-3 head."""
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import pytest
@@ -110,13 +112,15 @@ def _bandit_seconds(worker):
     return list(worker.bandit_seconds)
 
 
-def test_goodput_budget_greedy_identical(vanilla_greedy_200):
+def test_goodput_budget_greedy_identical(vanilla_greedy_200, tmp_path, monkeypatch):
     """"goodput": true: each step's node budget comes from live step timings and
     calibrated path values (core/budget.py); output unchanged, the planner has
     timed steps and planned budgets. The engine's wait for the next batch
-    (3 s here; a lull in a served load) is not counted in the step before it."""
+    (3 s here; a lull in a served load) is not counted in the step before it.
+    VLLM_EAGLE2_TRACE gets a JSON line per shape pick."""
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
             "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
+    monkeypatch.setenv("VLLM_EAGLE2_TRACE", str(tmp_path / "trace"))
     llm = make_llm(speculative_config=spec, max_num_seqs=32)
     try:
         assert llm.collective_rpc(_record_bandit_steps) == [True]
@@ -124,12 +128,18 @@ def test_goodput_budget_greedy_identical(vanilla_greedy_200):
         got = run(llm, PROMPTS[:64], GREEDY)
         _speculated(llm, before)
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+        picks = [json.loads(line) for line in
+                 (tmp_path / f"trace.{os.getpid()}").read_text().splitlines()]
         time.sleep(3.0)
         run(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4))
         seconds = llm.collective_rpc(_bandit_seconds)[0]
     finally:
         free_llm(llm)
     assert_same(got, vanilla_greedy_200[:64], "goodput")
+    # the trace: a record per pick, the last one the shape in use
+    assert len(picks) >= sum(sum(a.values()) for a in g["arm_windows"].values())
+    arms = ["plain"] + [f"chain-{k}" for k in range(1, 6)] + ["tree"]
+    assert picks[-1]["picked"] == g["arm"] and all(list(p["rates"]) == arms for p in picks)
     # the last step of the 64 prompts was given to the bandit after the wait
     assert len(seconds) > 8 and max(seconds) < 1.5, max(seconds)
     assert g["steps_timed"] > 8

@@ -923,6 +923,8 @@ def test_shape_bandit_runs_chain_1_once_next_to_plain_on_borrowed_parts():
         cost.observe(n, f(n))
     bandit = ShapeBandit(max_depth=2, window=4, verify_cost=cost)
     bandit.observe_chain(drafted=[2] * 100, accepted=[0] * 20 + [1] * 30 + [2] * 50, decay=1.0)
+    trace = []
+    bandit.trace = trace.append  # what VLLM_EAGLE2_TRACE writes, a record per pick
 
     def windows(batch, arms, other_chain=0.003):
         chosen = []
@@ -946,10 +948,10 @@ def test_shape_bandit_runs_chain_1_once_next_to_plain_on_borrowed_parts():
     windows(1, ["chain-1"], other_chain=2.4)
     assert windows(1, [None, None]) == ["plain", "plain"] and bandit.best(0) == "plain"
     # batch 4: seeded with plain; chain-1 predicted on batch 1's parts, far below it
-    chosen = windows(2, [None])
+    chosen = windows(4, [None])
     assert chosen == ["plain"] and bandit.rate(2, "chain-1") < 0.1 * bandit.rate(2, "plain")
     assert bandit._gap(2, "plain", "chain-1") > bandit.margin  # no walk would try it
-    chosen += windows(2, [None] * 8)
+    chosen += windows(4, [None] * 8)
     # chain-1 run once, measured there; then the search goes on as usual
     # (chain-2, predicted best from it, and the tree, unmeasured, next to
     # it) and keeps the best arm, chain-2: 4 x 2.3 tokens in 0.137 s a step
@@ -957,3 +959,13 @@ def test_shape_bandit_runs_chain_1_once_next_to_plain_on_borrowed_parts():
     true = {k: 4 * bandit.chain_tokens(k) / (f(4 * (1 + k)) + 0.005 * k + 0.003) for k in (1, 2)}
     assert true[2] > true[1] > 1.5 * 4 / (f(4) + 0.003)
     assert bandit.best(2) == "chain-2"
+    # the trace: every pick, and what it was made from
+    assert [r["picked"] for r in trace] == ["chain-1", "plain", "plain"] + chosen
+    assert [r["batch"] for r in trace] == [1] * 3 + [4] * 9
+    first = trace[4]  # batch 4's plain window closed: chain-1 on batch 1's parts
+    assert first["closed"] == {"shape": "plain", "batch": 4, "tokens": 12.0,
+                               "seconds": round(3 * (f(4) + 0.003), 5), "steps": 3}
+    assert first["picked"] == "chain-1" and first["best"] == "plain"
+    assert first["rates"]["chain-1"] < 0.1 * first["rates"]["plain"]
+    assert first["step_ms"]["chain-1"] > 2400 and first["rates"]["tree"] is None
+    assert first["chain_tokens"] == [round(bandit.chain_tokens(k), 3) for k in (1, 2)]

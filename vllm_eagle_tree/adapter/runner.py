@@ -28,8 +28,10 @@ decodes in the same batch, with a one-time warning.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import time
 
 import torch
@@ -53,6 +55,12 @@ MAX_PENDING_ROWS = 16
 shape bandit's "plain" arm); then they run, without a tree, so that a long
 stretch without drafts neither grows memory nor delays the next draft.
 Whole plain steps (``_hold_plain_decodes``) are held at most as many."""
+
+
+TRACE_ENV = "VLLM_EAGLE2_TRACE"
+"""With "goodput": the shape bandit writes one JSON line per pick (what it
+measured and predicted, ``ShapeBandit.trace_record``) to ``$VLLM_EAGLE2_TRACE.<pid>``
+(one file per worker process; served engines too)."""
 
 
 CHAIN_ACCEPTANCE_EVERY = 4
@@ -175,6 +183,11 @@ class TreeRunnerMixin:
             self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
             self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth,
                                            verify_cost=self.tree_planner.forward_cost)
+            trace = os.environ.get(TRACE_ENV)
+            if trace:  # one JSON line per shape pick (ShapeBandit.trace_record)
+                out = open(f"{trace}.{os.getpid()}", "a", buffering=1)
+                self.tree_bandit.trace = lambda rec: out.write(json.dumps(rec) + "\n")
+                logger.info("eagle2: tracing the shape bandit's picks to %s.%d", trace, os.getpid())
         self.tree_drafter = TreeDrafter(self.drafter, self.vllm_config, self.eagle2.tree,
                                         self._tree_block_size, planner=self.tree_planner)
         # On the "plain" arm, with a head that has the KV-only path, steps in

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -562,6 +563,9 @@ class ShapeBandit:
         self._acc = self._empty_window()
         self._steps = 0
         self._skip = False
+        # called with a dict per pick (trace_record), e.g. the runner's
+        # VLLM_EAGLE2_TRACE file; None: no tracing
+        self.trace: Callable[[dict], None] | None = None
 
     @staticmethod
     def _empty_window() -> dict[str, list[float]]:
@@ -782,12 +786,35 @@ class ShapeBandit:
                 and self._steps < 4 * self.window:
             self._steps += 1
             return self.current
+        closed = self.current, self._bucket, self._acc["clean"][:3]
         self._close_window()
         self._bucket = b
         self.current = self._pick(b)
         self._steps = 1
         self._skip = True  # the window's first observation carries the previous arm's drafts
+        if self.trace is not None:
+            self.trace(self.trace_record(*closed))
         return self.current
+
+    def trace_record(self, closed: str, closed_bucket: int, window: list[float]) -> dict:
+        """What a pick was made from: the window that just closed (its shape,
+        batch-size bucket, tokens, seconds and counted steps without prefill
+        rows, scaled to the bucket's batch size), the shape picked and its
+        bucket, and there every shape's rate (tokens/s; measured or
+        predicted, None: neither), the model's predicted step seconds, and
+        the chains' expected tokens per request."""
+        b = self._bucket
+        rates = {a: self.rate(b, a) for a in self.arms}
+        seconds = {a: self.model_seconds(b, a) for a in self.arms}
+        return {
+            "closed": {"shape": closed, "batch": 1 << closed_bucket if closed_bucket >= 0 else None,
+                       "tokens": round(window[0], 2), "seconds": round(window[1], 5),
+                       "steps": int(window[2])},
+            "picked": self.current, "batch": 1 << b, "best": self.best(b),
+            "rates": {a: None if r is None else round(r, 2) for a, r in rates.items()},
+            "step_ms": {a: None if x is None else round(1e3 * x, 2) for a, x in seconds.items()},
+            "chain_tokens": [round(self.chain_tokens(k), 3) for k in range(1, len(self.reached) + 1)],
+        }
 
     def observe(self, tokens: float, seconds: float, requests: float | None = None,
                 prefill: bool = False, rows: int | None = None, draft: float = 0.0,
