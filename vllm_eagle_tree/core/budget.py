@@ -610,7 +610,10 @@ class ShapeBandit:
         of 3, which put chain-1 below plain's bar; plain then ran 22 windows
         at batch 1 while vLLM's chain emitted ~1.9 tokens a step. The bound
         shrinks as chains are verified (0.05 after 100 at q = 0.45), and
-        only lifts depth 1: deeper depths are learnt while chains run."""
+        only lifts depth 1. Depth d is learnt only while chains of d or more
+        run, so deeper depths have the same trap (served, a first chain-2
+        window that accepted nothing kept chain-1 for ~30 windows); they are
+        not lifted yet."""
         total, alive, q = 1.0, 1.0, 0.5
         for d in range(k):
             n = self.reached[d]
