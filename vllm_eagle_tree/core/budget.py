@@ -465,7 +465,7 @@ class ShapeBandit:
     head's acceptance along its greedy chain, pooled over every verified
     chain of every bucket (acceptance does not depend on the batch size):
     ``1 + sum_d prod_{j <= d} q_j`` with ``q_j`` = P(depth j accepted | depth
-    j-1 accepted) (:meth:`observe_chain`), ``q_1`` one standard error
+    j-1 accepted) (:meth:`observe_chain`), each one standard error
     optimistic (:meth:`chain_tokens`). Nor, given a model of the target
     forward's cost (a :class:`DriftingCost`) and timed forwards, are plain's
     and the chains' seconds: a step is predicted as the model's forward at
@@ -601,27 +601,24 @@ class ShapeBandit:
         """Expected tokens a request emits per step on chain-k (accepted + bonus).
         Unobserved depths lean on the depth above (2 pseudo-observations).
 
-        Depth 1's acceptance is taken ``optimism`` standard errors optimistic,
-        ``q + sqrt(n q (1 - q)) / (n + 2)`` after ``n`` chains reached it:
-        it decides between plain and speculating, and plain verifies no
-        chains, so an estimate made low by a few chains was never corrected
-        until plain's neighbour came due. Served on a fresh server, the
-        first window (``vllm bench serve``'s random test prompt) accepted 0
-        of 3, which put chain-1 below plain's bar; plain then ran 22 windows
-        at batch 1 while vLLM's chain emitted ~1.9 tokens a step. The bound
-        shrinks as chains are verified (0.05 after 100 at q = 0.45), and
-        only lifts depth 1. Depth d is learnt only while chains of d or more
-        run, so deeper depths have the same trap (served, a first chain-2
-        window that accepted nothing kept chain-1 for ~30 windows); they are
-        not lifted yet."""
+        Each depth's acceptance is taken ``optimism`` standard errors
+        optimistic, ``q + sqrt(n q (1 - q)) / (n + 2)`` after ``n`` chains
+        reached it. Acceptance is only learnt while drafting, and depth d
+        only while chains of d or more run, so an estimate made low by a
+        few unlucky chains kept the arms that would correct it from running.
+        Served on a fresh server, the first window (``vllm bench serve``'s
+        random test prompt) accepted 0 of 3: with depth 1 unlifted, plain
+        then ran 22 windows at batch 1 while vLLM's chain emitted ~1.9
+        tokens a step; with depth 1 lifted but not depth 2, a first chain-2
+        window that accepted nothing kept chain-1 for ~30 windows. The bound
+        shrinks as chains are verified (0.05 after 100 at q = 0.45), and is
+        0 at a depth no chain has reached (nothing to be optimistic about:
+        the prior is the depth above)."""
         total, alive, q = 1.0, 1.0, 0.5
         for d in range(k):
             n = self.reached[d]
             q = (self.accepted[d] + 2.0 * q) / (n + 2.0)
-            if d == 0:
-                alive = min(q + optimism * math.sqrt(n * q * (1.0 - q)) / (n + 2.0), 1.0)
-            else:
-                alive *= q
+            alive *= min(q + optimism * math.sqrt(n * q * (1.0 - q)) / (n + 2.0), 1.0)
             total += alive
         return total
 
