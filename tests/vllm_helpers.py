@@ -111,3 +111,41 @@ def check_kv_only_first_pass(worker):
         return int(full.ne(0).sum())
     finally:
         kv[blocks] = saved
+
+
+def record_attention_dispatch(worker):
+    """Worker-side hook (``llm.collective_rpc``): log, per target forward,
+    (rows needing tree attention, target layers whose attention impl takes
+    the tree dispatch, target layers with our impl). Returns the target's
+    number of layers."""
+    from vllm_eagle_tree.adapter.attention import TreeCPUAttentionImpl
+
+    runner = worker.model_runner
+    impls = runner._target_attn_impls
+    log = runner._test_dispatch = []
+    inner = runner._model_forward
+
+    def forward(*args, **kwargs):
+        step = runner._tree_step
+        rows = sum(len(step.trees[b][0]) for b in step.masked)
+        on = sum(getattr(i.forward, "__func__", None) is TreeCPUAttentionImpl.forward
+                 for i in impls)
+        log.append((rows, on, len(impls)))
+        return inner(*args, **kwargs)
+
+    runner._model_forward = forward
+    return runner.model_config.hf_config.num_hidden_layers
+
+
+def attention_dispatch_log(worker):
+    return list(worker.model_runner._test_dispatch)
+
+
+def check_attention_dispatch(log, layers, need_tree_rows=False):
+    """Every target layer has our impl, and takes the tree dispatch exactly in
+    the forwards with tree rows (vLLM's own forward in the others)."""
+    assert log and all(n == layers for _, _, n in log), (layers, log[:3])
+    assert all(on == (layers if rows else 0) for rows, on, _ in log), log
+    assert any(not rows for rows, _, _ in log), "no forward without tree rows"
+    if need_tree_rows:
+        assert any(rows for rows, _, _ in log), "no forward with tree rows"

@@ -15,7 +15,9 @@ from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
 
 from vllm_eagle_tree import assets
-from vllm_helpers import check_kv_only_first_pass, free_llm, make_llm
+from vllm_helpers import (attention_dispatch_log, check_attention_dispatch,
+                          check_kv_only_first_pass, free_llm, make_llm,
+                          record_attention_dispatch)
 
 PROMPTS = assets.heldout_prompts(200)
 MAX_TOKENS = 24
@@ -290,3 +292,14 @@ def test_kv_only_first_pass_rows_write_the_heads_kv(tree_llm):
     (vllm_helpers.check_kv_only_first_pass; the EAGLE-3 head is checked in
     test_eagle2_engine_variants)."""
     assert tree_llm.collective_rpc(check_kv_only_first_pass)[0] > 0
+
+
+def test_target_attention_takes_the_tree_dispatch_only_with_tree_rows(tree_llm, vanilla):
+    """Steps without tree rows (a request's first decode, no drafts yet) run
+    vLLM's own attention forward in every target layer; steps with tree rows
+    the tree dispatch, switched with the step's metadata; output identical."""
+    (layers,) = tree_llm.collective_rpc(record_attention_dispatch)
+    got = in_batches(tree_llm, PROMPTS[:16], GREEDY, 8)
+    log = tree_llm.collective_rpc(attention_dispatch_log)[0]
+    assert_same(got, vanilla("greedy")[:16], "dispatch switched per step")
+    check_attention_dispatch(log, layers, need_tree_rows=True)

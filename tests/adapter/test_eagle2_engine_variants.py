@@ -12,7 +12,9 @@ import pytest
 from vllm import SamplingParams
 
 from vllm_eagle_tree import assets
-from vllm_helpers import check_kv_only_first_pass, free_llm, make_llm
+from vllm_helpers import (attention_dispatch_log, check_attention_dispatch,
+                          check_kv_only_first_pass, free_llm, make_llm,
+                          record_attention_dispatch)
 
 from test_eagle2_engine import (GREEDY, MAX_TOKENS, PROMPTS, _speculated, assert_same, eagle2,
                                 in_batches, run, spec_counters)
@@ -397,10 +399,12 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
             logs.append(llm.collective_rpc(_drafts_log)[0])
         arms = ["plain", "chain-1", "chain-2", "plain", "chain-3", "chain-4", "tree", "tree"]
         assert llm.collective_rpc(_force_arms, args=(arms, True)) == [True]
+        (layers,) = llm.collective_rpc(record_attention_dispatch)
         before = spec_counters(llm)
         got = run(llm, PROMPTS[:32], GREEDY)
         d = _speculated(llm, before)
         mixed = llm.collective_rpc(_drafts_log)[0]
+        dispatch = llm.collective_rpc(attention_dispatch_log)[0]
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
     finally:
         free_llm(llm)
@@ -412,4 +416,7 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
     assert_same(got, vanilla_greedy_200[:32], "arm changing every step")
     assert {a for a, *_ in mixed} == set(arms) - {"plain"}
     assert d.drafts > 0
+    # every target layer's attention takes the tree dispatch exactly in the
+    # forwards with tree rows (vLLM's own forward in the others: plain, chains)
+    check_attention_dispatch(dispatch, layers)
     assert g["last_plan"] is not None  # the tree arm's trees were sized by the planner

@@ -40,7 +40,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from ..core import TreeBatch, verify
 from ..core.budget import GoodputPlanner, ShapeBandit, chain_length, greedy_chain_acceptance
-from .attention import TREE_METADATA_ATTR, TreeAttention
+from .attention import TREE_METADATA_ATTR, TreeAttention, TreeCPUAttentionImpl
 from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
 from .proposer import FirstPassRows, PendingRows, TreeDrafter, tree_from_cache
@@ -141,6 +141,10 @@ class TreeRunnerMixin:
         self._held_batch: list[str] | None = None
         self._fallback: dict[str, str | None] = {}  # tree_fallback_reason per live request
         self._tree_step = _TreeStep()
+        # target attention impls (set once the KV cache exists) and whether
+        # they take the tree dispatch (TreeCPUAttentionImpl.serve_tree_rows)
+        self._target_attn_impls: list[TreeCPUAttentionImpl] = []
+        self._tree_rows_on = True
         self._warned: set[str] = set()
         self.tree_drafter: TreeDrafter | None = None
         self.tree_planner: GoodputPlanner | None = None  # set once the KV cache exists
@@ -179,6 +183,13 @@ class TreeRunnerMixin:
                     f"eagle2: KV cache block size {kv.shape[2]} differs from the block "
                     f"table's {self._tree_block_size}")
         self._tree_kv_caches = self._unique_kv_caches()  # what compaction moves
+        # the target layers' attention impls: they take the tree dispatch only
+        # in steps with tree rows (_build_attention_metadata)
+        draft_layers = set(self.drafter._draft_attn_layer_names)
+        self._target_attn_impls = [
+            m.impl for name, m in self.compilation_config.static_forward_context.items()
+            if name not in draft_layers
+            and isinstance(getattr(m, "impl", None), TreeCPUAttentionImpl)]
         if self.eagle2.goodput:
             self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
             self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth,
@@ -359,6 +370,12 @@ class TreeRunnerMixin:
         tree = self._tree_attention(mds[0].block_table) if self._tree_step and mds else None
         for md in mds:
             setattr(md, TREE_METADATA_ATTR, tree)
+        if (tree is not None) != self._tree_rows_on:
+            # set with the metadata it serves, so a step with tree rows never
+            # runs vLLM's forward alone (which would attend causally by index)
+            self._tree_rows_on = tree is not None
+            for impl in self._target_attn_impls:
+                impl.serve_tree_rows(self._tree_rows_on)
         return result
 
     # ------------------------------------------ 4. verification, compaction
