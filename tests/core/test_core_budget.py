@@ -338,6 +338,29 @@ def test_shape_bandit_chain_tokens_from_pooled_acceptance():
         1 + u1 + u1 * u2 + u1 * u2 * u3 + u1 * u2 * u3 * q4)
 
 
+def test_shape_bandit_chain_acceptance_remembers_chains_not_steps():
+    """The pooled acceptance forgets per chain (~1000 chains), whatever the
+    batch size: the same chains observed one per step (batch 1) or 50 per
+    step (batch 50) give the same estimate; and at batch 1 a hundred steps of
+    hard text after three hundred of easy text move it part of the way (with
+    0.99 per step, the old memory of ~100 steps, depth 1 fell to ~0.41 and
+    the best chain swung with each request's text)."""
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    easy = [1, 1, 1, 1, 0] * 60  # depth 1 accepted 80% of the time
+    hard = [1, 0, 0, 0, 0] * 20  # 20%
+    one, fifty = ShapeBandit(max_depth=1), ShapeBandit(max_depth=1)
+    for n in easy + hard:
+        one.observe_chain(drafted=[1], accepted=[n])
+    chains = easy + hard
+    for i in range(0, len(chains), 50):
+        fifty.observe_chain(drafted=[1] * 50, accepted=chains[i:i + 50])
+    q_one = one.chain_tokens(1, optimism=0.0) - 1
+    q_fifty = fifty.chain_tokens(1, optimism=0.0) - 1
+    assert 0.58 < q_one < 0.66, q_one  # ~0.625: most of the easy text still counts
+    assert q_fifty == pytest.approx(q_one, abs=0.01)  # within a step's ordering
+
+
 def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     """Arms are held for a window (its first step not counted). A new bucket
     starts from the nearest measured bucket's best arm (chain-1 at first),
