@@ -892,6 +892,40 @@ def test_shape_bandit_tree_measured_in_a_quick_moment_does_not_outrank_the_best_
     assert bandit.best(2) == "chain-2"
 
 
+def test_shape_bandit_keeps_each_chains_drafting_at_the_speed_it_was_measured():
+    """Chain-3 measured while the machine runs at its usual speed, then
+    chain-4 while it is 25% slower: both lengths' drafting is predicted at
+    the speed of the moment, so they compare as 3 to 4 depths (the old code
+    kept chain-3's seconds from the quick moment: 0.6 of chain-4's, so that
+    a stale length looked a depth's cost cheaper or dearer than it is)."""
+    from vllm_eagle_tree.core.budget import DriftingCost, ShapeBandit
+
+    def f(n):  # the target forward: 0.1 s + 2 ms per query row
+        return 0.1 + 0.002 * n
+
+    cost = DriftingCost()
+    for n in (1, 2, 4, 8, 16, 20, 32) * 40:  # a start-up probe and many steps since
+        cost.observe(n, f(n))
+    bandit = ShapeBandit(max_depth=4, window=4, verify_cost=cost)
+    arms = iter(["chain-3", "chain-4", "done"])
+    bandit._pick = lambda b: next(arms)
+    for k, slow in ((3, 1.0), (4, 1.25)):
+        assert bandit.choose(4) == f"chain-{k}"
+        for _ in range(4):  # the first observation is the previous arm's: not counted
+            bandit.choose(4)
+            fwd = slow * f(4 * (1 + k))
+            cost.observe(4 * (1 + k), fwd)
+            draft = slow * 0.003 * k
+            bandit.observe(tokens=8, seconds=fwd + draft + 0.002, requests=4,
+                           rows=4 * (1 + k), draft=draft, forward=fwd)
+    assert bandit.choose(4) == "done"  # closes chain-4's window
+    assert cost.speed > 1.1  # the machine is slow now (an EMA: ~1.15 after 4 steps)
+    three, four = bandit.draft_seconds(2, 3), bandit.draft_seconds(2, 4)
+    # 3 to 4 depths as far as the speed EMA has followed (~0.69; old code: 0.6)
+    assert 0.66 < three / four < 0.8, (three, four)
+    assert four == pytest.approx(1.25 * 0.012, rel=0.05)
+
+
 def test_shape_bandit_runs_a_never_run_neighbouring_chain_once():
     """Batch 4 on the AVX2 machine: a fresh bucket starts on chain-1, and the
     model predicts chain-2 from drafting it has not run (twice chain-1's

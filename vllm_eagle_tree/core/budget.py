@@ -644,18 +644,33 @@ class ShapeBandit:
         have = [b for b, v in table.items() if (v if key is None else key in v)]
         return table[min(have, key=lambda b: (abs(b - bucket), b))] if have else None
 
+    def _speed(self) -> float:
+        """The machine's speed of the moment as the forward model sees it
+        (:class:`DriftingCost`'s observed / fitted EMA; 1 for any other model)."""
+        return getattr(self.verify_cost, "speed", 1.0)
+
     def draft_seconds(self, bucket: int, k: int) -> float:
         """Drafting seconds per step of chain-k in ``bucket``: measured (EMA),
         else the measured chain arms' mean seconds per depth times k (each
-        depth is one head forward over the batch), else 0. A bucket with no
-        chain measured yet borrows the nearest bucket's (the head's forwards
-        cost about the same at any batch size here: few rows, one layer)."""
+        depth is one head forward over the batch), else 0, at the machine's
+        speed of the moment. A bucket with no chain measured yet borrows the
+        nearest bucket's (the head's forwards cost about the same at any
+        batch size here: few rows, one layer).
+
+        Each length's EMA is kept at the speed it was measured at
+        (:meth:`_speed`, taken out when stored, put back here), as the
+        forward is: a length not run for a while otherwise kept a slower or
+        quicker moment's seconds, and the machine drifts (±10% within a
+        run) by about one depth's cost. At batch 1 (AVX-512, trace of a
+        ``bench_paired`` cell) chain-4, running, was predicted 0.1-0.4 ms a
+        step over chain-3, whose drafting EMA was old, where one more depth
+        costs a head forward and a verify row, ~1.3 ms."""
         measured = self._nearest(self._draft, bucket) or {}
-        if k in measured:
-            return measured[k]
         if not measured:
             return 0.0
-        return k * sum(s / j for j, s in measured.items()) / len(measured)
+        if k in measured:
+            return measured[k] * self._speed()
+        return k * sum(s / j for j, s in measured.items()) / len(measured) * self._speed()
 
     def model_seconds(self, bucket: int, arm: str) -> float | None:
         """Predicted seconds of one step of ``arm`` at the bucket's batch size
@@ -905,8 +920,8 @@ class ShapeBandit:
         if self.verify_cost is not None and timed == n and (k is not None or arm == "plain"):
             # the model's measured parts (model_seconds)
             if k is not None:
-                drafts = self._draft.setdefault(b, {})
-                drafts[k] = self._ema(drafts.get(k), draft / n)
+                drafts = self._draft.setdefault(b, {})  # at speed 1 (draft_seconds)
+                drafts[k] = self._ema(drafts.get(k), draft / n / self._speed())
             others = self._other.setdefault(b, {})
             key = "plain" if k is None else "chain"
             others[key] = self._ema(others.get(key), other / n)
@@ -956,7 +971,8 @@ class ShapeBandit:
                 "predicted": {a: round(r, 2) for a, r in rates.items()
                               if r is not None and self.model_seconds(b, a) is not None},
                 "other_ms": {k: round(1e3 * v, 2) for k, v in self._other.get(b, {}).items()},
-                "draft_ms": {k: round(1e3 * v, 2) for k, v in self._draft.get(b, {}).items()}}
+                "draft_ms": {k: round(1e3 * self.draft_seconds(b, k), 2)
+                             for k in self._draft.get(b, {})}}
             if b in self._tree:
                 t = self._tree[b]
                 out[str(1 << b)]["tree"] = {
