@@ -668,9 +668,9 @@ class ShapeBandit:
         measured = self._nearest(self._draft, bucket) or {}
         if not measured:
             return 0.0
-        if k in measured:
-            return measured[k] * self._speed()
-        return k * sum(s / j for j, s in measured.items()) / len(measured) * self._speed()
+        at_speed_1 = measured[k] if k in measured else \
+            k * sum(s / j for j, s in measured.items()) / len(measured)
+        return at_speed_1 * self._speed()
 
     def model_seconds(self, bucket: int, arm: str) -> float | None:
         """Predicted seconds of one step of ``arm`` at the bucket's batch size
