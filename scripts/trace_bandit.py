@@ -58,7 +58,8 @@ def main():
               f"speed {cost.speed:.3f}", f"line {1e3 * cost.line.a:.2f} ms + "
               f"{1e3 * cost.line.b:.3f} ms/row",
               {k: round(1e3 * v, 2) for k, v in bandit._other.get(b, {}).items()},
-              {k: round(1e3 * v, 2) for k, v in bandit._draft.get(b, {}).items()}, flush=True)
+              {k: round(1e3 * bandit.draft_seconds(b, k), 2) for k in bandit._draft.get(b, ())},
+              flush=True)
         return arm
 
     bandit._pick = traced

@@ -567,9 +567,9 @@ def test_shape_bandit_predicts_plain_and_chains_from_the_cost_model():
     """With a verify-cost model and timed forwards, a step of plain or
     chain-k at the bucket's batch size N is predicted as verify_cost(N x
     (1 + k)) + the arm's measured time outside the forward and drafting
-    (chains pooled, an EMA over windows) + chain-k's drafting (measured, else
-    the measured chains' seconds per depth times k); rate = N x tokens per
-    request / that."""
+    (chains pooled, an EMA over windows) + chain-k's drafting (a line over k
+    through the measured chains' windows; with one length measured, its
+    seconds per depth times k); rate = N x tokens per request / that."""
     from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
 
     cost = LinearCost(a=0.05, b=0.002)
@@ -601,8 +601,8 @@ def test_shape_bandit_predicts_plain_and_chains_from_the_cost_model():
     assert bandit.rate(4, "plain") == pytest.approx(16 / (cost(16) + other_plain))
     assert bandit.choose(16) == "done"  # closes chain-3's
     other = 0.7 * other1 + 0.3 * (0.10 - 0.015)
-    per_depth = (0.006 + 0.015 / 3) / 2
-    for k, draft in ((1, 0.006), (3, 0.015), (2, 2 * per_depth), (4, 4 * per_depth)):
+    slope = (0.015 - 0.006) / 2  # drafting: the line through chain-1's and chain-3's
+    for k, draft in ((1, 0.006), (3, 0.015), (2, 0.006 + slope), (4, 0.006 + 3 * slope)):
         assert bandit.model_seconds(4, f"chain-{k}") == pytest.approx(
             cost(16 * (1 + k)) + other + draft), k
     summary = bandit.model_summary()["16"]
@@ -924,6 +924,59 @@ def test_shape_bandit_keeps_each_chains_drafting_at_the_speed_it_was_measured():
     # 3 to 4 depths as far as the speed EMA has followed (~0.69; old code: 0.6)
     assert 0.66 < three / four < 0.8, (three, four)
     assert four == pytest.approx(1.25 * 0.012, rel=0.05)
+
+
+def test_chain_draft_cost_is_a_line_over_chain_lengths():
+    """Proportional to k while one length has run; then a least-squares line
+    over every chain window, which keeps its slope while one length runs."""
+    import numpy as np
+
+    from vllm_eagle_tree.core.budget import ChainDraftCost
+
+    d = ChainDraftCost(window=4)
+    assert d(3) == 0.0 and not d and 3 not in d
+    d.observe(2, 0.004)
+    d.observe(2, 0.006)
+    assert d(4) == pytest.approx(0.010) and d(1) == pytest.approx(0.0025)
+    d.observe(4, 0.009)
+    # least squares through (2, .004), (2, .006), (4, .009): slope 2 ms, 1 ms at 0
+    assert d(1) == pytest.approx(0.003) and d(3) == pytest.approx(0.007)
+    assert list(d) == [2, 4] and 4 in d and 3 not in d
+    d.observe(4, 0.010)
+    d.observe(4, 0.010)  # the window: (2, .006), (4, .009), (4, .010), (4, .010)
+    slope = np.polyfit([2, 4, 4, 4], [0.006, 0.009, 0.010, 0.010], 1)[0]
+    assert d(4) - d(3) == pytest.approx(slope)
+    for _ in range(4):  # only chain-4 in the window now: the intercept moves, not the slope
+        d.observe(4, 0.011)
+    assert d(4) == pytest.approx(0.011) and d(3) == pytest.approx(0.011 - slope)
+
+
+def test_shape_bandit_one_slow_window_does_not_make_a_chain_cost_a_depth_more():
+    """Batch 1 on AVX-512: chain-1 to chain-4 each ran, chain-4 for most
+    windows; one chain-3 window then measured slow (10 ms of drafting, where
+    its others read 5.6). The chains' drafting, a line over k through every
+    window, still puts chain-3 a depth's cost (~1.4 ms) under chain-4; one
+    EMA per length (the old code) put chain-3 at 6.9 ms against chain-4's
+    7.0, so that chain-4 looked as cheap to draft."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    cost = LinearCost(a=0.03, b=0.001)
+    bandit = ShapeBandit(max_depth=4, window=4, verify_cost=cost)
+    plan = ([(1, 0.0028), (2, 0.0045)] + [(4, 0.007)] * 10 + [(3, 0.0056)] * 5
+            + [(4, 0.007)] * 10 + [(3, 0.0101)])
+    arms = iter([f"chain-{k}" for k, _ in plan] + ["done"])
+    bandit._pick = lambda b: next(arms)
+    for k, draft in plan:
+        assert bandit.choose(1) == f"chain-{k}"
+        for _ in range(4):  # the first observation is the previous arm's: not counted
+            bandit.choose(1)
+            fwd = cost(1 + k)
+            bandit.observe(tokens=2, seconds=fwd + draft + 0.004, requests=1, rows=1 + k,
+                           draft=draft, forward=fwd)
+    assert bandit.choose(1) == "done"  # closes the last window
+    three, four = bandit.draft_seconds(0, 3), bandit.draft_seconds(0, 4)
+    assert 0.0011 < four - three < 0.002, (three, four)
+    assert four == pytest.approx(0.007, abs=0.0003)
 
 
 def test_shape_bandit_runs_a_never_run_neighbouring_chain_once():

@@ -32,7 +32,7 @@ import torch
 
 from .tree import TreeBatch
 
-__all__ = ["LinearCost", "DriftingCost", "ValueCalibration", "BudgetPlan", "plan_budget",
+__all__ = ["LinearCost", "DriftingCost", "ChainDraftCost", "ValueCalibration", "BudgetPlan", "plan_budget",
            "prune_to_top", "best_chains", "greedy_chain_acceptance", "GoodputPlanner",
            "ShapeBandit", "chain_length"]
 
@@ -48,6 +48,7 @@ class LinearCost:
     _xs: deque = field(default_factory=deque, repr=False)
     _ys: deque = field(default_factory=deque, repr=False)
     _sums: list = field(default_factory=lambda: [0.0] * 4, repr=False)  # x, y, xx, xy
+    sloped: bool = field(default=False, repr=False)  # a slope was fitted (two distinct x)
 
     def observe(self, x: float, seconds: float) -> None:
         x, y = float(x), float(seconds)
@@ -76,7 +77,10 @@ class LinearCost:
             self.a = my - self.b * mx
             return
         self.b = max((sxy - n * mx * my) / var, 0.0)  # time never falls with more rows
-        self.a = max(my - self.b * mx, 0.0)
+        self.a = my - self.b * mx
+        if self.a < 0.0:  # no negative time at x = 0: the least-squares line through 0
+            self.a, self.b = 0.0, max(sxy / sxx, 0.0)
+        self.sloped = True
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
@@ -124,6 +128,46 @@ class DriftingCost:
 
     def __call__(self, x: float) -> float:
         return self.speed * self.line(x)
+
+
+class ChainDraftCost:
+    """Drafting seconds of one chain-k step at the machine's speed 1
+    (:class:`ShapeBandit` divides by :class:`DriftingCost`'s speed before
+    it stores, and multiplies back when it predicts): a line ``a + b x k``
+    fitted over the last ``window`` chain windows of every length, since
+    chain-k drafts with the first pass and k - 1 head forwards over the
+    batch. Until two lengths have run, proportional to k (the measured
+    seconds per depth); once fitted, a window of one length only moves the
+    line's intercept.
+
+    Not one EMA per length: over a few windows each, they were noisy by
+    about one depth's cost. At batch 1 (AVX-512, ``scripts/trace_bandit.py
+    --batch 1 --requests 32``) chain-3's EMA read 7.23 ms after one slow
+    window and chain-4's 7.09, where the step profile put them at 4.8 and
+    5.9 ms, so chain-4 was predicted the cheaper to draft."""
+
+    def __init__(self, window: int = 256):
+        self.line = LinearCost(window=window)
+        self.lengths: set[int] = set()  # chain lengths measured (ever)
+
+    def observe(self, k: int, seconds: float) -> None:
+        self.line.observe(k, seconds)
+        self.lengths.add(k)
+
+    def __contains__(self, k: int) -> bool:
+        return k in self.lengths
+
+    def __iter__(self):
+        return iter(sorted(self.lengths))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __call__(self, k: int) -> float:
+        if self.line.sloped:
+            return self.line(k)
+        s = self.line._sums  # one length so far: seconds per depth x k
+        return k * s[1] / s[0] if s[0] > 0 else 0.0
 
 
 @dataclass
@@ -545,9 +589,9 @@ class ShapeBandit:
         self.stats: dict[int, dict[str, list[float]]] = {}
         # the cost model's measured parts (model_seconds), per-step EMAs:
         # bucket -> "plain" / "chain" -> seconds outside the target forward
-        # and drafting (every chain length pooled); bucket -> k -> drafting
+        # and drafting (every chain length pooled); bucket -> chain drafting
         self._other: dict[int, dict[str, float]] = {}
-        self._draft: dict[int, dict[int, float]] = {}
+        self._draft: dict[int, ChainDraftCost] = {}
         # bucket -> the tree's measured parts, per-step EMAs: "ratio" (its
         # forward over the model's at its rows), "rows" per request,
         # "other" (outside the forward and drafting) and "draft" seconds
@@ -650,27 +694,19 @@ class ShapeBandit:
         return getattr(self.verify_cost, "speed", 1.0)
 
     def draft_seconds(self, bucket: int, k: int) -> float:
-        """Drafting seconds per step of chain-k in ``bucket``: measured (EMA),
-        else the measured chain arms' mean seconds per depth times k (each
-        depth is one head forward over the batch), else 0, at the machine's
-        speed of the moment. A bucket with no chain measured yet borrows the
-        nearest bucket's (the head's forwards cost about the same at any
-        batch size here: few rows, one layer).
+        """Drafting seconds per step of chain-k in ``bucket``: the bucket's
+        :class:`ChainDraftCost` (a line over k fitted on its chain windows
+        of every length, at speed 1), else 0, times the machine's speed of
+        the moment. A bucket with no chain measured yet borrows the nearest
+        bucket's (the head's forwards cost about the same at any batch size
+        here: few rows, one layer).
 
-        Each length's EMA is kept at the speed it was measured at
-        (:meth:`_speed`, taken out when stored, put back here), as the
-        forward is: a length not run for a while otherwise kept a slower or
-        quicker moment's seconds, and the machine drifts (±10% within a
-        run) by about one depth's cost. At batch 1 (AVX-512, trace of a
-        ``bench_paired`` cell) chain-4, running, was predicted 0.1-0.4 ms a
-        step over chain-3, whose drafting EMA was old, where one more depth
-        costs a head forward and a verify row, ~1.3 ms."""
-        measured = self._nearest(self._draft, bucket) or {}
-        if not measured:
-            return 0.0
-        at_speed_1 = measured[k] if k in measured else \
-            k * sum(s / j for j, s in measured.items()) / len(measured)
-        return at_speed_1 * self._speed()
+        Stored at speed 1 (:meth:`_speed`, taken out when stored, put back
+        here), as the forward is: a length not run for a while otherwise
+        kept a slower or quicker moment's seconds, and the machine drifts
+        (±10% within a run) by about one depth's cost."""
+        measured = self._nearest(self._draft, bucket)
+        return 0.0 if measured is None else measured(k) * self._speed()
 
     def model_seconds(self, bucket: int, arm: str) -> float | None:
         """Predicted seconds of one step of ``arm`` at the bucket's batch size
@@ -919,9 +955,8 @@ class ShapeBandit:
         k = chain_length(arm)
         if self.verify_cost is not None and timed == n and (k is not None or arm == "plain"):
             # the model's measured parts (model_seconds)
-            if k is not None:
-                drafts = self._draft.setdefault(b, {})  # at speed 1 (draft_seconds)
-                drafts[k] = self._ema(drafts.get(k), draft / n / self._speed())
+            if k is not None:  # at speed 1 (draft_seconds)
+                self._draft.setdefault(b, ChainDraftCost()).observe(k, draft / n / self._speed())
             others = self._other.setdefault(b, {})
             key = "plain" if k is None else "chain"
             others[key] = self._ema(others.get(key), other / n)
