@@ -566,10 +566,15 @@ class ShapeBandit:
     * then the best arm is kept, and a neighbour (other than, while a chain
       is best, a chain the model predicts from its own measured drafting)
       is re-measured once its turn comes: after ``explore_every`` windows,
-      times ``1 + gap / 0.05`` where ``gap`` is how much faster it must get
-      to be chosen, margins
-      included (:meth:`_gap`; a neighbour that needs 20% is revisited every
-      5 x 8 windows, costing about 0.5%).
+      times ``(1 + gap / 0.05) ** 2`` where ``gap`` is how much faster it
+      must get to be chosen, margins included (:meth:`_gap`): a neighbour
+      within 2% is revisited every 16 windows, one that needs 20% every
+      200 (~40 s at batch 1), costing 0.1%. Squared, not linear (every 5 x
+      8 windows at 20%): the arms far from the best are those the model
+      already predicts well (plain, the chains) or whose one window is
+      costly (the tree at batch 1, 40% slower), and at batch 1 (AVX-512,
+      ``scripts/trace_bandit.py --batch 1 --requests 32``) their
+      re-measurements took ~1.5% of a run's steps.
     """
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
@@ -853,7 +858,7 @@ class ShapeBandit:
             if chain_length(best) is not None and self._predicted(b, n):
                 continue  # the best chain's windows refresh the base it shares
             waited[n] = waited.get(n, 0) + 1
-            if waited[n] >= self.explore_every * (1.0 + self._gap(b, best, n) / 0.05):
+            if waited[n] >= self.explore_every * (1.0 + self._gap(b, best, n) / 0.05) ** 2:
                 due.append((waited[n], n))
         if due:
             n = max(due)[1]
