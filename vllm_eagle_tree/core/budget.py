@@ -32,9 +32,9 @@ import torch
 
 from .tree import TreeBatch
 
-__all__ = ["LinearCost", "DriftingCost", "ChainDraftCost", "ValueCalibration", "BudgetPlan", "plan_budget",
-           "prune_to_top", "best_chains", "greedy_chain_acceptance", "GoodputPlanner",
-           "ShapeBandit", "chain_length"]
+__all__ = ["LinearCost", "DriftingCost", "ChainDraftCost", "ValueCalibration", "BudgetPlan",
+           "plan_budget", "prune_to_top", "best_chains", "greedy_chain_acceptance",
+           "GoodputPlanner", "ShapeBandit", "chain_length"]
 
 
 @dataclass
