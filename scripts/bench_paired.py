@@ -108,6 +108,23 @@ def parse_chain_ks(items: list[str], batch_sizes: list[int]) -> dict[int, list[i
 FORCED = "eagle2-forced"
 
 
+def adaptive_engine():
+    """An in-process eagle2 adaptive engine (``ADAPTIVE``) on the deep target,
+    with the settings of a cell, and the held-out prompts: what
+    ``trace_bandit.py`` and ``chain_confidence.py`` run."""
+    from vllm import LLM
+
+    from bench_baseline import speculative_config
+    from make_deep_target import build
+    from vllm_eagle_tree import assets
+
+    target = build(assets.DEEP_TARGET, extra_layers=60)
+    llm = LLM(model=str(target), speculative_config=speculative_config(*ADAPTIVE),
+              dtype="float32", enforce_eager=True, max_model_len=1024, disable_log_stats=True,
+              seed=0, max_num_seqs=64)
+    return llm, assets.heldout_prompts()
+
+
 def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
     """One fresh engine: an untimed pass of ``bs`` requests, then the timed cell.
     ``method`` FORCED: the adaptive engine with its bandit pinned to shape ``k``."""

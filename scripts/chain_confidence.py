@@ -40,12 +40,8 @@ THRESHOLDS = (0.02, 0.05, 0.1, 0.2, 0.3)
 
 
 def main():
-    from vllm import LLM
-
-    from bench_baseline import _runner, _scheduler, request_params, speculative_config
-    from bench_paired import ADAPTIVE
-    from make_deep_target import build
-    from vllm_eagle_tree import assets
+    from bench_baseline import _runner, _scheduler, request_params
+    from bench_paired import adaptive_engine
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,11 +50,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "results" / "chain_confidence.json"))
     args = ap.parse_args()
 
-    target = build(assets.DEEP_TARGET, extra_layers=60)
-    prompts = assets.heldout_prompts()
-    llm = LLM(model=str(target), speculative_config=speculative_config(*ADAPTIVE),
-              dtype="float32", enforce_eager=True, max_model_len=1024, disable_log_stats=True,
-              seed=0, max_num_seqs=64)
+    llm, prompts = adaptive_engine()
     runner = _runner(llm)
     bandit = runner.tree_bandit
     top = len(bandit.reached)  # max_depth

@@ -29,12 +29,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def main():
-    from vllm import LLM
-
-    from bench_baseline import _runner, _scheduler, request_params, speculative_config
-    from bench_paired import ADAPTIVE
-    from make_deep_target import build
-    from vllm_eagle_tree import assets
+    from bench_baseline import _runner, _scheduler, request_params
+    from bench_paired import adaptive_engine
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,11 +38,7 @@ def main():
     ap.add_argument("--requests", type=int, default=64)
     args = ap.parse_args()
 
-    target = build(assets.DEEP_TARGET, extra_layers=60)
-    prompts = assets.heldout_prompts()
-    llm = LLM(model=str(target), speculative_config=speculative_config(*ADAPTIVE),
-              dtype="float32", enforce_eager=True, max_model_len=1024, disable_log_stats=True,
-              seed=0, max_num_seqs=64)
+    llm, prompts = adaptive_engine()
     bandit = _runner(llm).tree_bandit
     cost = bandit.verify_cost
     pick = bandit._pick
