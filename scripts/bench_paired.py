@@ -20,6 +20,18 @@ whose geometric mean and 95% t-interval (on log ratios) are reported.
     .venv/bin/python scripts/bench_paired.py --report results/eagle2_paired.json
     .venv/bin/python scripts/bench_paired.py --report A.json B.json --out pooled.json
 
+``--interleave``: per batch size, every method's engine is started (and
+warmed with one untimed cell) once and all stay alive in this process; a
+round is then one timed cell of each, back to back, so the two cells of a
+pair are seconds apart instead of an engine start-up apart, and a round
+costs no start-ups (more rounds in the same time). The adaptive engine
+keeps what it learnt from round to round, as a long-running server does.
+Engines run without vLLM's Prometheus loggers (the registry is
+process-wide), so tau there is tokens per decode step counted on each
+engine's scheduler.
+
+    .venv/bin/python scripts/bench_paired.py --interleave --rounds 10
+
 ``--shapes`` adds diagnostic cells: the adaptive engine with its shape
 bandit pinned to one shape (plain, chain-K, tree), which separates what a
 shape costs from what choosing among them costs. They are never the
@@ -125,36 +137,93 @@ def adaptive_engine():
     return llm, assets.heldout_prompts()
 
 
-def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
-    """One fresh engine: an untimed pass of ``bs`` requests, then the timed cell.
-    ``method`` FORCED: the adaptive engine with its bandit pinned to shape ``k``."""
+def start_engine(target, method, k, log_stats: bool = True):
+    """A fresh in-process engine for one method (``method`` FORCED: the
+    adaptive engine with its bandit pinned to shape ``k``). ``log_stats``
+    False: no Prometheus loggers, so that several engines can live in one
+    process (vLLM's metrics registry is process-wide; each engine's loggers
+    would unregister the last one's)."""
     from vllm import LLM
 
-    from bench_baseline import _scheduler, pin_shape, request_params, speculative_config
-    from vllm_eagle_tree.metrics import spec_counters
+    from bench_baseline import pin_shape, speculative_config
 
     spec = speculative_config(*(ADAPTIVE if method == FORCED else (method, k)))
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
-              max_model_len=1024, disable_log_stats=False, seed=0, max_num_seqs=64)
+              max_model_len=1024, disable_log_stats=not log_stats, seed=0, max_num_seqs=64)
     if method == FORCED:
         pin_shape(llm, k, "--shapes")
+    return llm, spec
+
+
+def _arm_windows(llm, bs) -> dict:
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+    return dict(g["arm_windows"].get(str(1 << ShapeBandit.bucket(bs)), {}))
+
+
+class StepCounter:
+    """Counts, on an in-process engine's scheduler, the decode steps of
+    running requests (``scheduled_cached_reqs``: a request's steps after its
+    prompt), so that tokens per decode step (tau) is known without vLLM's
+    process-wide metrics. Prompts here are one chunk, so every cached
+    request's step is a decode step."""
+
+    def __init__(self, llm):
+        from bench_baseline import _scheduler
+
+        sched = _scheduler(llm)
+        self.steps = 0
+        schedule = sched.schedule
+
+        def counted(*a, **kw):
+            out = schedule(*a, **kw)
+            self.steps += len(out.scheduled_cached_reqs.req_ids)
+            return out
+        sched.schedule = counted
+
+
+def burst(llm, spec, bs, max_tokens, prompts, min_tokens, counter: StepCounter | None = None,
+          warm: bool = True) -> dict:
+    """Time one cell on a live engine: concurrency ``bs``, max(4 x bs,
+    min_tokens / max_tokens) requests of ``max_tokens`` greedy tokens
+    (``warm``: after an untimed pass of ``bs`` requests). tau: from vLLM's
+    counters, or with ``counter``, tokens per decode step after each
+    request's first token."""
+    from bench_baseline import _scheduler, request_params
+    from vllm_eagle_tree.metrics import spec_counters
+
     _scheduler(llm).max_num_active_reqs = bs
-    warm = [prompts[-1 - i % len(prompts)] for i in range(bs)]
-    llm.generate(warm, request_params(bs, max_tokens // 2), use_tqdm=False)
+    if warm:
+        w = [prompts[-1 - i % len(prompts)] for i in range(bs)]
+        llm.generate(w, request_params(bs, max_tokens // 2), use_tqdm=False)
     n_req = max(4 * bs, -(-min_tokens // max_tokens))
-    before, t = spec_counters(llm), time.perf_counter()
+    goodput = bool(spec and spec.get("goodput"))
+    windows = _arm_windows(llm, bs) if goodput else {}
+    steps = counter.steps if counter else 0
+    before = None if counter else spec_counters(llm)
+    t = time.perf_counter()
     outs = llm.generate([prompts[i % len(prompts)] for i in range(n_req)],
                         request_params(n_req, max_tokens), use_tqdm=False)
     dt = time.perf_counter() - t
-    c = spec_counters(llm) - before
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    if counter:
+        tau = (n_tok - n_req) / max(counter.steps - steps, 1)
+    else:
+        tau = (spec_counters(llm) - before).tau if spec else 1.0
     cell = {"tokens": n_tok, "seconds": round(dt, 3), "tokens_per_s": round(n_tok / dt, 2),
-            "tau": round(c.tau, 4) if spec else 1.0}
-    if spec and spec.get("goodput"):
-        from vllm_eagle_tree.core.budget import ShapeBandit
+            "tau": round(tau, 4)}
+    if goodput:  # this cell's windows per arm (the engine's totals minus those before)
+        after = _arm_windows(llm, bs)
+        cell["bandit_windows"] = {a: n - windows.get(a, 0) for a, n in after.items()
+                                  if n - windows.get(a, 0)}
+    return cell
 
-        g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
-        cell["bandit_windows"] = g["arm_windows"].get(str(1 << ShapeBandit.bucket(bs)), {})
+
+def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
+    """One fresh engine: an untimed pass of ``bs`` requests, then the timed cell."""
+    llm, spec = start_engine(target, method, k)
+    cell = burst(llm, spec, bs, max_tokens, prompts, min_tokens)
     del llm
     gc.collect()
     return cell
@@ -284,6 +353,10 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=[],
                     help="diagnostic cells: the adaptive engine pinned to these shapes")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--interleave", action="store_true",
+                    help="per batch size, start every method's engine once and keep them all "
+                         "alive; a round is one timed cell of each, back to back (seconds "
+                         "apart, not an engine start-up apart)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-tokens-per-cell", type=int, default=2048)
     ap.add_argument("--out", default=str(ROOT / "results" / "eagle2_paired.json"))
@@ -310,18 +383,30 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": " ".join(sys.argv), "rounds": args.rounds,
                "max_tokens": args.max_tokens, "min_tokens_per_cell": args.min_tokens_per_cell,
-               "batch_sizes": {}}
+               "interleaved": args.interleave, "batch_sizes": {}}
     total = args.rounds * sum(len(chain_ks[b]) + 2 + len(args.shapes) for b in args.batch_sizes)
     done, t0 = 0, time.time()
     for bs in args.batch_sizes:
         specs = [("vanilla", 0)] + [("eagle3", k) for k in chain_ks[bs]] + [ADAPTIVE] \
             + [(FORCED, s) for s in args.shapes]
         res = results["batch_sizes"].setdefault(str(bs), {"cells": {label(*s): [] for s in specs}})
+        live = {}
+        if args.interleave:  # every engine started and warmed once, before round 1
+            for method, k in specs:
+                llm, spec = start_engine(target, method, k, log_stats=False)
+                counter = StepCounter(llm)
+                burst(llm, spec, bs, args.max_tokens, prompts, 0, counter)  # warm-up cell
+                live[(method, k)] = (llm, spec, counter)
         for r in range(args.rounds):
             order = specs[r % len(specs):] + specs[:r % len(specs)]  # rotate who goes first
             for method, k in order:
-                cell = run_cell(target, method, k, bs, args.max_tokens, prompts,
-                                args.min_tokens_per_cell)
+                if args.interleave:
+                    llm, spec, counter = live[(method, k)]
+                    cell = burst(llm, spec, bs, args.max_tokens, prompts,
+                                 args.min_tokens_per_cell, counter, warm=False)
+                else:
+                    cell = run_cell(target, method, k, bs, args.max_tokens, prompts,
+                                    args.min_tokens_per_cell)
                 cell["round"] = r
                 res["cells"][label(method, k)].append(cell)
                 done += 1
@@ -331,6 +416,9 @@ def main():
                       f"{cell['tokens_per_s']:.1f} tok/s tau {cell['tau']:.2f}", flush=True)
             res["summary"] = summarize(res["cells"]) if r >= 1 else {}
             out.write_text(json.dumps(results, indent=1) + "\n")
+        live.clear()  # this batch size's engines (and the loop's last references)
+        llm = spec = counter = None
+        gc.collect()
     report(out, results)
 
 
@@ -348,6 +436,10 @@ def pool(paths: list[Path]) -> dict:
               "min_tokens_per_cell": runs[0]["min_tokens_per_cell"], "batch_sizes": {}}
     if any(r["max_tokens"] != pooled["max_tokens"] for r in runs):
         raise SystemExit("--report: the runs differ in max_tokens; their rounds cannot be pooled")
+    if len({bool(r.get("interleaved")) for r in runs}) > 1:
+        raise SystemExit("--report: some runs are --interleave and some are not; their rounds "
+                         "cannot be pooled")
+    pooled["interleaved"] = bool(runs[0].get("interleaved"))
     for bs in sorted({b for r in runs for b in r["batch_sizes"]}, key=int):
         have = [r["batch_sizes"][bs]["cells"] for r in runs if bs in r["batch_sizes"]]
         methods = [m for m in have[0] if all(m in cells for cells in have[1:])]

@@ -118,3 +118,9 @@ def test_pool_joins_rounds_of_several_runs(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(c))
     with pytest.raises(SystemExit, match="max_tokens"):
         bp["pool"]([a, tmp_path / "c.json"])
+    d = run([(1, 1)])
+    d["interleaved"] = True
+    (tmp_path / "d.json").write_text(json.dumps(d))
+    with pytest.raises(SystemExit, match="interleave"):
+        bp["pool"]([a, tmp_path / "d.json"])  # one engine start-up per cell, and live engines
+    assert bp["pool"]([tmp_path / "d.json", tmp_path / "d.json"])["interleaved"] is True
