@@ -54,6 +54,35 @@ def brute_force(probs, B, a, b, draft):
     return best
 
 
+def test_probe_points_keep_the_forward_slope_at_a_steady_batch_size():
+    """A server at batch 1 verifies 2-5 rows a step for hours. Once the
+    start-up probe's points (1 to 320 rows) have left the live window, a
+    line over those steps alone takes its slope from the machine's drift:
+    here the host is 20% slower whenever the bandit happens to run chain-4
+    (5 rows) than when it runs chain-2 (3 rows), which puts the per-row
+    cost at ~2.7 ms where it is 0.5. The probe's points stay (anchors), so
+    the slope stays within 15% of the truth (the level follows the speed)."""
+    from vllm_eagle_tree.core.budget import GoodputPlanner
+
+    def run(probe: bool):
+        pl = GoodputPlanner(max_depth=4)
+        for rows in [1, 2, 4, 8, 16, 32, 64, 128, 256, 320]:
+            for _ in range(2):
+                pl.observe_verify(rows, 0.020 + 0.0005 * rows, probe=probe)
+        for t in range(3000):
+            slow = (t // 250) % 2 == 1  # the drift: 250 steps slow, 250 quick
+            rows = 5 if slow else 3     # the arm the bandit ran meanwhile
+            pl.observe_verify(rows, (1.2 if slow else 1.0) * (0.020 + 0.0005 * rows))
+        return pl
+
+    pl = run(probe=True)
+    for line in (pl.forward_cost.line, pl.verify_cost):
+        assert line.b == pytest.approx(0.0005, rel=0.15)
+    assert pl.forward_cost(4) == pytest.approx(1.2 * (0.020 + 0.0005 * 4), rel=0.05)
+    old = run(probe=False)  # the probe observed like any step: forgotten
+    assert old.forward_cost.line.b > 4 * 0.0005
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_plan_budget_is_the_brute_force_optimum(seed):
     g = torch.Generator().manual_seed(seed)

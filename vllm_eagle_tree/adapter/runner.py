@@ -225,7 +225,7 @@ class TreeRunnerMixin:
             for _ in range(repeats):
                 t = time.perf_counter()
                 self._dummy_run(n, force_attention=True)
-                self.tree_planner.observe_verify(n, time.perf_counter() - t)
+                self.tree_planner.observe_verify(n, time.perf_counter() - t, probe=True)
         logger.info("eagle2 goodput: verify cost %.2f ms + %.3f ms per query row (start-up probe)",
                     1e3 * self.tree_planner.verify_cost.a, 1e3 * self.tree_planner.verify_cost.b)
 

@@ -40,7 +40,8 @@ __all__ = ["LinearCost", "DriftingCost", "ChainDraftCost", "ValueCalibration", "
 @dataclass
 class LinearCost:
     """``seconds(x) = a + b * x`` fitted by least squares on the last ``window`` samples
-    (running sums: each observation costs the same whatever the window)."""
+    (running sums: each observation costs the same whatever the window) and
+    on every :meth:`anchor` point (never forgotten)."""
 
     a: float = 0.0
     b: float = 0.0
@@ -49,6 +50,16 @@ class LinearCost:
     _ys: deque = field(default_factory=deque, repr=False)
     _sums: list = field(default_factory=lambda: [0.0] * 4, repr=False)  # x, y, xx, xy
     sloped: bool = field(default=False, repr=False)  # a slope was fitted (two distinct x)
+    anchors: int = field(default=0, repr=False)  # points kept for good (:meth:`anchor`)
+
+    def anchor(self, x: float, seconds: float) -> None:
+        """A point that stays in the fit for good (the start-up probe's rows,
+        spread from 1 to the most a step verifies), so that a window of
+        live samples all near one ``x`` (a server at a steady batch size)
+        moves the line's level but cannot tilt its slope at will."""
+        self._add(float(x), float(seconds), 1.0)
+        self.anchors += 1
+        self._fit()
 
     def observe(self, x: float, seconds: float) -> None:
         x, y = float(x), float(seconds)
@@ -67,7 +78,7 @@ class LinearCost:
         s[3] += sign * x * y
 
     def _fit(self) -> None:
-        n = len(self._xs)
+        n = len(self._xs) + self.anchors
         if n == 0:
             return
         sx, sy, sxx, sxy = self._sums
@@ -108,12 +119,14 @@ class DriftingCost:
         self.speed = 1.0
         self.speed_decay = speed_decay
 
-    def observe(self, x: float, seconds: float, decode: bool = True) -> None:
+    def observe(self, x: float, seconds: float, decode: bool = True,
+                anchor: bool = False) -> None:
         """A timed forward of ``x`` query rows; ``decode``: it has no prefill
-        rows (others are ignored)."""
+        rows (others are ignored); ``anchor``: a start-up probe point, kept
+        in the line for good (:meth:`LinearCost.anchor`)."""
         if not decode:
             return
-        self.line.observe(x, seconds)
+        (self.line.anchor if anchor else self.line.observe)(x, seconds)
         fitted = self.line(x)
         if fitted > 0.0:
             self.speed = self.speed_decay * self.speed + (1 - self.speed_decay) * seconds / fitted
@@ -388,12 +401,22 @@ class GoodputPlanner:
             del self.request_factor[r]
 
     def observe_verify(self, query_rows: int, seconds: float, tree_rows: int = 0,
-                       decode: bool = True) -> None:
+                       decode: bool = True, probe: bool = False) -> None:
         """A verify forward's wall time. Steps without trees (prefills, plain
         decodes, the start-up probe) fit the per-row cost; steps with trees
         update the extra cost a tree step carries on top (tree attention).
-        ``decode``: the step has no prefill rows."""
-        if tree_rows == 0:
+        ``decode``: the step has no prefill rows. ``probe``: a start-up probe
+        forward, whose point both lines keep for good: a server at a steady
+        batch size verifies a few row counts only (batch 1: 1 to 5 rows),
+        and a line fitted on those alone took its slope from the machine's
+        drift (in a 40-minute run at batch 1, the step a chain one deeper
+        costs, ~1.2 ms, was predicted anywhere from 0.5 to 4 ms once the
+        probe's points had left the window, and the bandit followed it
+        between chain-2 and chain-4)."""
+        if probe:
+            self.verify_cost.anchor(query_rows, seconds)
+            self.forward_cost.observe(query_rows, seconds, anchor=True)
+        elif tree_rows == 0:
             self.verify_cost.observe(query_rows, seconds)
             self.forward_cost.observe(query_rows, seconds, decode=decode)
         else:
