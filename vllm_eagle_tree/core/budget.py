@@ -408,11 +408,12 @@ class GoodputPlanner:
         ``decode``: the step has no prefill rows. ``probe``: a start-up probe
         forward, whose point both lines keep for good: a server at a steady
         batch size verifies a few row counts only (batch 1: 1 to 5 rows),
-        and a line fitted on those alone took its slope from the machine's
-        drift (in a 40-minute run at batch 1, the step a chain one deeper
-        costs, ~1.2 ms, was predicted anywhere from 0.5 to 4 ms once the
-        probe's points had left the window, and the bandit followed it
-        between chain-2 and chain-4)."""
+        and a line fitted on those alone takes its slope from the machine's
+        drift. (In a 40-minute run at batch 1 the bandit's cost of a chain
+        one deeper, ~1.2 ms in step profiles, wandered from 0.5 to 4 ms and
+        it followed it between chain-2 and chain-4; this line losing the
+        probe's points is the suspected cause, not a confirmed one: the
+        drafting line, ChainDraftCost, adds to the same figure.)"""
         if probe:
             self.verify_cost.anchor(query_rows, seconds)
             self.forward_cost.observe(query_rows, seconds, anchor=True)
