@@ -124,3 +124,30 @@ def test_pool_joins_rounds_of_several_runs(tmp_path):
     with pytest.raises(SystemExit, match="interleave"):
         bp["pool"]([a, tmp_path / "d.json"])  # one engine start-up per cell, and live engines
     assert bp["pool"]([tmp_path / "d.json", tmp_path / "d.json"])["interleaved"] is True
+
+
+def test_read_trace_counts_picks_switches_and_depth_increments():
+    """scripts/read_trace.py: per batch size, picks and best shapes counted,
+    switches of the best, and chain-(k+1) - chain-k predicted step ms."""
+    rt = runpy.run_path(str(assets.ROOT / "scripts" / "read_trace.py"), run_name="not_main")
+
+    def rec(batch, picked, best, c1, c2, c3):
+        return {"batch": batch, "picked": picked, "best": best,
+                "step_ms": {"plain": 10.0, "chain-1": c1, "chain-2": c2, "chain-3": c3,
+                            "tree": None}}
+
+    records = [rec(1, "chain-1", None, None, None, None),
+               rec(1, "chain-2", "chain-2", 11.0, 12.0, 13.5),
+               rec(4, "plain", "plain", 20.0, 21.0, 22.0),
+               rec(1, "chain-3", "chain-3", 11.0, 13.0, 14.0),
+               rec(1, "chain-2", "chain-2", 11.0, 12.5, 14.0)]
+    s = rt["summarise"](records)
+    assert list(s) == ["1", "4"]
+    one = s["1"]
+    assert one["picks"] == 4 and one["picked"] == {"chain-2": 2, "chain-1": 1, "chain-3": 1}
+    assert one["best"] == {"chain-2": 2, "chain-3": 1} and one["best_switches"] == 2
+    inc = one["depth_increment_ms"]
+    assert inc["chain-1->chain-2"] == {"n": 3, "min": 1.0, "p10": 1.0, "median": 1.5,
+                                       "p90": 2.0, "max": 2.0}
+    assert inc["chain-2->chain-3"]["min"] == 1.0 and inc["chain-2->chain-3"]["max"] == 1.5
+    assert s["4"]["best_switches"] == 0 and s["4"]["depth_increment_ms"]["chain-2->chain-3"]["n"] == 1
