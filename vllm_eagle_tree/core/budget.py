@@ -411,9 +411,12 @@ class GoodputPlanner:
         and a line fitted on those alone takes its slope from the machine's
         drift. (In a 40-minute run at batch 1 the bandit's cost of a chain
         one deeper, ~1.2 ms in step profiles, wandered from 0.5 to 4 ms and
-        it followed it between chain-2 and chain-4; this line losing the
-        probe's points is the suspected cause, not a confirmed one: the
-        drafting line, ChainDraftCost, adds to the same figure.)"""
+        it followed it between chain-2 and chain-4. With the probe's points
+        kept, the same 40-minute run on the AVX2 kind held that figure
+        within 2.2-3.2 ms over 2117 picks, ``scripts/read_trace.py``; this
+        host's steps take about twice as long. That was a different host,
+        not an A/B on one, but the drafting line, ChainDraftCost, which adds
+        to the same figure, was left unchanged.)"""
         if probe:
             self.verify_cost.anchor(query_rows, seconds)
             self.forward_cost.observe(query_rows, seconds, anchor=True)
