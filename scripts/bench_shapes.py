@@ -108,7 +108,9 @@ def log_steps(runner) -> list[dict]:
     def timed(scheduler_output, num_scheduled_tokens):
         now = time.perf_counter()
         if cur:
-            steps.append(dict(cur, seconds=now - cur.pop("t0"), emitted=runner._step_emitted))
+            forward = runner._step_forward  # the target forward's seconds, None: not timed
+            steps.append(dict(cur, seconds=now - cur.pop("t0"), emitted=runner._step_emitted,
+                              forward=forward, model=runner.tree_bandit.verify_cost(cur["rows"])))
         out = prepare(scheduler_output, num_scheduled_tokens)
         cur.clear()  # the runner has just counted this step's prefill rows for its bandit
         cur.update(t0=now, requests=len(scheduler_output.num_scheduled_tokens),

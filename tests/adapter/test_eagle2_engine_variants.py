@@ -187,7 +187,7 @@ def _set_skip_pattern(worker, period, hold):
     runner.hold_plain_rows = hold
     count = [0]
 
-    def choose(batch_size):
+    def choose(batch_size, lockstep=False):
         count[0] += 1
         return "tree" if count[0] % period == 0 else "plain"
 
@@ -358,7 +358,7 @@ def _force_arms(worker, arms, fast):
     drafter = runner.tree_drafter
     count = [0]
 
-    def choose(batch_size):
+    def choose(batch_size, lockstep=False):
         count[0] += 1
         return arms[count[0] % len(arms)]
 
@@ -381,12 +381,32 @@ def _drafts_log(worker):
     return list(worker.model_runner._test_drafts)
 
 
+def _record_lockstep(worker):
+    """Test hook: the shape bandit always picks "plain" (which keeps a
+    lockstep) and records the ``lockstep`` the runner gives it each step."""
+    runner = worker.model_runner
+    log = runner._test_lockstep = []
+
+    def choose(batch_size, lockstep=False):
+        log.append((batch_size, lockstep))
+        return "plain"
+
+    runner.tree_bandit.choose = choose
+    return True
+
+
+def _lockstep_log(worker):
+    log, worker.model_runner._test_lockstep[:] = list(worker.model_runner._test_lockstep), []
+    return log
+
+
 def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
     """The chain arms' fast path (``TreeDrafter._draft_chain``, no
     ``expand_tree``) drafts exactly the chains ``expand_tree`` grows with
     top_k=1 (same tokens, parents and path values, step by step), and a batch
     whose arm changes every step (plain, every chain length, tree) keeps
-    greedy output identical."""
+    greedy output identical. And the runner tells the bandit when the batch
+    is in lockstep."""
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
             "max_depth": 4, "top_k": 4, "adaptive": True, "goodput": True}
     llm = make_llm(speculative_config=spec, max_num_seqs=8, enable_prefix_caching=False)
@@ -406,6 +426,12 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
         mixed = llm.collective_rpc(_drafts_log)[0]
         dispatch = llm.collective_rpc(attention_dispatch_log)[0]
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+        assert llm.collective_rpc(_record_lockstep) == [True]
+        lockstep = []
+        for lengths in ([8] * 4, [8, 8, 12, 12], [8]):
+            run(llm, PROMPTS[:len(lengths)], [SamplingParams(temperature=0.0, max_tokens=n,
+                                                             ignore_eos=True) for n in lengths])
+            lockstep.append(llm.collective_rpc(_lockstep_log)[0])
     finally:
         free_llm(llm)
     fast, slow = logs
@@ -414,6 +440,13 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
         assert arm == arm2 == "chain-3" and p == p2 == [-1, 0, 1, 2] and t == t2
         assert v == pytest.approx(v2, abs=1e-5) and v[0] == 0.0
     assert_same(got, vanilla_greedy_200[:32], "arm changing every step")
+    # the runner's lockstep: requests with the same number of tokens left
+    # (equal max_tokens, started together) until they finish together; with
+    # 8 and 12 tokens, only once the 8-token ones have finished; never alone
+    same, mixed_lengths, alone = lockstep
+    assert len(same) >= 8 and all(x == (4, True) for x in same), same
+    assert mixed_lengths == [(4, False)] * 8 + [(2, True)] * 4, mixed_lengths
+    assert alone and all(x == (1, False) for x in alone), alone
     assert {a for a, *_ in mixed} == set(arms) - {"plain"}
     assert d.drafts > 0
     # every target layer's attention takes the tree dispatch exactly in the

@@ -536,9 +536,10 @@ def test_shape_bandit_weighs_a_re_measured_arms_old_value_by_its_age():
 
 
 def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
-    """best(): a speculative arm must beat plain by speculation_margin (10%);
-    a more speculative arm must beat the best less speculative (speculative)
-    one by margin (2%)."""
+    """best(): in lockstep a speculative arm must beat plain by
+    speculation_margin (20%), out of it by margin (2%); a more speculative
+    arm must beat the best less speculative (speculative) one by margin
+    (2%) either way."""
     from vllm_eagle_tree.core.budget import ShapeBandit, chain_length
 
     bandit = ShapeBandit(max_depth=2)
@@ -552,25 +553,70 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
             assert bandit.rate(0, a) == pytest.approx(r)
         return bandit.best(0)
 
-    assert best(plain=100.0, tree=120.0) == "tree"  # arms not measured are skipped
-    assert best(plain=100.0, tree=109.0) == "plain"  # < 1.10 * plain
-    assert best(plain=100.0, chain_2=112.0, tree=114.0) == "chain-2"  # tree < 1.02 * 112
-    assert best(plain=100.0, chain_2=112.0, tree=114.3) == "tree"
-    assert best(plain=100.0, chain_1=108.0, chain_2=109.9) == "plain"  # both < 1.10 * plain
-    assert best(plain=100.0, chain_1=108.0, chain_2=110.1) == "chain-2"
-    assert best(plain=100.0, chain_1=111.0, chain_2=113.0) == "chain-1"  # < 1.02 * 111
+    bandit.lockstep = True
+    assert best(plain=100.0, tree=121.0) == "tree"  # arms not measured are skipped
+    assert best(plain=100.0, tree=119.0) == "plain"  # < 1.20 * plain
+    assert best(plain=100.0, chain_2=122.0, tree=124.0) == "chain-2"  # tree < 1.02 * 122
+    assert best(plain=100.0, chain_2=122.0, tree=124.5) == "tree"
+    assert best(plain=100.0, chain_1=118.0, chain_2=119.9) == "plain"  # both < 1.20 * plain
+    assert best(plain=100.0, chain_1=118.0, chain_2=120.1) == "chain-2"
+    assert best(plain=100.0, chain_1=121.0, chain_2=123.0) == "chain-1"  # < 1.02 * 121
     assert best(chain_1=50.0, chain_2=51.0) == "chain-1"
     assert best(chain_1=50.0, chain_2=51.1) == "chain-2"
     assert best() is None
+    bandit.lockstep = False  # nothing to lose: 2% over plain is enough
+    assert best(plain=100.0, tree=119.0) == "tree"
+    assert best(plain=100.0, chain_1=101.9, chain_2=102.0) == "plain"
+    assert best(plain=100.0, chain_1=102.1, chain_2=104.0) == "chain-1"  # < 1.02 * 102.1
+    assert best(plain=100.0, chain_1=102.1, chain_2=104.2) == "chain-2"
+    bandit.lockstep = True
     bandit.speculation_margin = bandit.margin = 0.0
     assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "chain-2"
+
+
+def test_shape_bandit_keeps_plain_in_lockstep_and_picks_again_when_it_is_gained():
+    """In lockstep with plain best, _pick explores nothing (not a neighbour
+    that is due, nor a chain never run in the bucket), where out of lockstep
+    it does; and choose() ends a window early when the batch gains the
+    lockstep, not when it loses it."""
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    bandit = ShapeBandit(max_depth=2, explore_every=1)
+    bandit.stats = {0: {"plain": [100.0, 1.0, 1, 100.0]}}
+    bandit.lockstep = False
+    assert bandit._pick(0) == "chain-1"  # an unmeasured neighbour of plain
+    bandit.lockstep = True
+    assert [bandit._pick(0) for _ in range(20)] == ["plain"] * 20
+    bandit.stats[0]["chain-1"] = [110.0, 1.0, 1, 110.0 / bandit.chain_tokens(1)]
+    assert bandit.best(0) == "plain"
+    assert [bandit._pick(0) for _ in range(20)] == ["plain"] * 20
+    bandit.lockstep = False
+    assert bandit.best(0) == "chain-1"
+
+    picks = []
+    bandit = ShapeBandit(max_depth=2, window=4)
+    bandit._pick = lambda b: picks.append(b) or "chain-1"
+    bandit.choose(4)                        # the first window
+    bandit.observe(4.0, 0.1)                # (skipped: the previous arm's drafts)
+    bandit.choose(4)
+    bandit.observe(4.0, 0.1)
+    assert len(picks) == 1
+    bandit.choose(4, lockstep=True)         # a new round of prompts: pick again
+    assert len(picks) == 2 and bandit.lockstep
+    bandit.observe(4.0, 0.1)
+    bandit.choose(4, lockstep=True)
+    bandit.observe(4.0, 0.1)
+    bandit.choose(4, lockstep=False)        # lost (the chain broke it): the window goes on
+    assert len(picks) == 2 and not bandit.lockstep
 
 
 def test_shape_bandit_walks_on_only_past_arms_near_their_bar():
     """The local search tries the arm past a measured neighbour only when that
     neighbour came within margin (2%) of the bar it must clear: with plain
-    best, chain-1 must come within 2% of beating plain by 10%, not of plain
-    itself (at batch 64 that walked through chain-2..4, each far slower)."""
+    best, chain-1 must come within 2% of beating plain by its margin (2%
+    out of lockstep), not of plain itself (at batch 64 that walked through
+    chain-2..4, each far slower). (In lockstep nothing is tried past plain:
+    the previous test.)"""
     from vllm_eagle_tree.core.budget import ShapeBandit, chain_length
 
     bandit = ShapeBandit(max_depth=3)
@@ -584,9 +630,9 @@ def test_shape_bandit_walks_on_only_past_arms_near_their_bar():
             bandit.stats[0][a] = [r, 1.0, 1, r if k is None else r / bandit.chain_tokens(k)]
         return bandit._pick(0)
 
-    assert pick(plain=100.0, chain_1=99.0) == "plain"       # 1% below plain: 11% short of its bar
-    assert pick(plain=100.0, chain_1=107.0) == "plain"      # 2.7% short
-    assert pick(plain=100.0, chain_1=108.0) == "chain-2"    # 1.8% short: may be noise
+    assert pick(plain=100.0, chain_1=95.0) == "plain"       # 5% below plain: 7% short of its bar
+    assert pick(plain=100.0, chain_1=99.2) == "plain"       # 2.7% short
+    assert pick(plain=100.0, chain_1=100.2) == "chain-2"    # 1.8% short: may be noise
     assert pick(chain_1=100.0, plain=90.0, chain_2=99.0) == "chain-1"  # chain-2 needs 102
     assert pick(chain_1=100.0, plain=90.0, chain_2=100.5) == "chain-3"  # 1.5% short
     assert pick(chain_2=100.0, plain=80.0, chain_1=97.0, chain_3=90.0) == "chain-2"
@@ -790,8 +836,8 @@ def test_shape_bandit_re_measures_predicted_chains_while_plain_is_best():
         k = 0 if arm == "plain" else 1 if arm == "chain-1" else 2
         for _ in range(3):
             bandit.choose(4)
-            bandit.observe(tokens=4, seconds=0.1 + 0.01 * 4 * (1 + k), requests=4,
-                           rows=4 * (1 + k), draft=0.001 * k)
+            bandit.observe(tokens=4, seconds=0.1 + 0.01 * 4 * (1 + k) + 0.01 * k, requests=4,
+                           rows=4 * (1 + k), draft=0.01 * k)
     assert chosen[:2] == ["chain-1", "plain"] and bandit.best(2) == "plain"
     assert chosen[2:].count("chain-1") >= 2, chosen
 

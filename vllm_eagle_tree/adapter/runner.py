@@ -531,9 +531,9 @@ class TreeRunnerMixin:
         # and run them, caught up, on the next step that drafts.
         arm = None
         if self.tree_bandit is not None:
-            arm = self.tree_bandit.choose(sum(
-                1 for r in self.input_batch.req_ids[:num_reqs]
-                if scheduler_output.num_scheduled_tokens.get(r, 0) > 0))
+            scheduled = [r for r in self.input_batch.req_ids[:num_reqs]
+                         if scheduler_output.num_scheduled_tokens.get(r, 0) > 0]
+            arm = self.tree_bandit.choose(len(scheduled), lockstep=self._in_lockstep(scheduled))
         self._draft_arm = arm
         skip = arm == "plain"
         if skip and not self.hold_plain_rows and self._hold_plain_decodes(
@@ -619,6 +619,25 @@ class TreeRunnerMixin:
             self._trees[req_id] = t
             drafts[q.batch_index] = t[1][1:]
         return drafts
+
+    def _in_lockstep(self, req_ids: list[str]) -> bool:
+        """Whether these requests (two or more) would all finish in the same
+        step under plain decoding: each has the same number of output tokens
+        left before its ``max_tokens`` (the shape bandit's lockstep,
+        :class:`ShapeBandit`). Stop tokens may still end one early; that
+        only ends the lockstep sooner."""
+        left = None
+        for r in req_ids:
+            req = self.requests[r]
+            params = req.sampling_params
+            if params is None or params.max_tokens is None:
+                return False
+            n = params.max_tokens - len(req.output_token_ids)
+            if left is None:
+                left = n
+            elif n != left:
+                return False
+        return len(req_ids) >= 2
 
     def _hold_plain_decodes(self, scheduler_output, sampled_token_ids, hidden_states,
                             aux_hidden_states) -> bool:

@@ -555,17 +555,26 @@ class ShapeBandit:
     15-20% slower).
 
     A window's rate leaves out what speculating costs outside the decode
-    steps it counts: requests that finish at different steps (the number of
-    accepted tokens varies) lose the lockstep of plain decoding, so their
-    prompts arrive one by one and a run ends with a drain at falling batch
-    sizes. So a speculative arm is only preferred to plain when it is
-    ``speculation_margin`` (10%) faster. (Measured with the shape forced,
-    batch 16, ``scripts/bench_shapes.py --step-log``: chain-1's full-batch
-    steps without prefill were 9% faster than plain's, its whole run 2%
-    slower; a 5% margin still chose chain-1 at batch 16, where vanilla won.)
-    Between speculative arms (all of which lose the lockstep) a more
-    speculative arm must only be ``margin`` (2%) faster than the best less
-    speculative one (a smaller difference may be noise).
+    steps it counts when the batch is in *lockstep*: requests that all have
+    the same number of tokens left (fixed output lengths, ``ignore_eos``,
+    as benchmarks send them) and would all finish in the same step under
+    plain decoding, the next round's prompts then prefilled together in
+    one step. Speculating breaks that for good (accepted lengths differ):
+    requests finish one by one, and a burst of them ends in a drain at
+    falling batch sizes. (Measured with the shape forced, batch 16, 64
+    requests of 64 tokens, AVX2, ``scripts/bench_shapes.py --step-log``:
+    chain-1's full-batch steps without prefill rows were 20% faster than
+    plain's, its whole run 2% faster; its drain was 49 steps at 52 tok/s,
+    13% of the run. At batch 4 the model's best chain was predicted 44%
+    faster than plain and the bandit's cells were 26% faster than vanilla.)
+    So while the batch is in lockstep (:meth:`choose`) a speculative arm is
+    only chosen over plain when it is ``speculation_margin`` (20%) faster,
+    and with plain best no other arm is explored (one window of it would
+    break the lockstep the margin protects). Once the lockstep is gone
+    (requests of different lengths, as a server's are, or broken already)
+    there is nothing left to lose: a speculative arm need only be
+    ``margin`` (2%) faster than plain, as between speculative arms (a
+    smaller difference may be noise).
 
     Exploring costs throughput, so it is a local search over the arms in
     order of how much they speculate (plain < chain-1 < ... < chain-D <
@@ -579,9 +588,11 @@ class ShapeBandit:
       must clear to be chosen (:meth:`_gap`: a difference that small may be
       noise, not a slope; a wider margin sent the search through every arm
       at batch 16, where all were within 15%). The bar includes the
-      speculation margin: with plain best, chain-2 is only tried if chain-1
-      came within 2% of beating plain by 10% (measuring against plain itself
-      walked through chain-2..4 at batch 64, each 20-40% slower than plain);
+      margins of :meth:`best`: with plain best, chain-2 is only tried if
+      chain-1 came within 2% of beating plain by its margin (measuring
+      against plain itself walked through chain-2..4 at batch 64, each
+      20-40% slower than plain);
+    * in lockstep with plain best, nothing else is tried (above);
     * plain is measured in every bucket (unless the model predicts it from
       a nearby bucket's) and always re-measured like a neighbour (at batch
       16 a run started from chain-2, measured chain-1 slower in a slow
@@ -605,7 +616,7 @@ class ShapeBandit:
     """
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
-                 decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.10,
+                 decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.20,
                  verify_cost: LinearCost | DriftingCost | None = None):
         # the target forward's seconds vs query rows: scales steps to the
         # bucket's size, and predicts plain and chain steps (model_seconds)
@@ -634,6 +645,7 @@ class ShapeBandit:
         self.reached = [0.0] * max_depth   # chains whose depth d was verified, d-1 accepted
         self.accepted = [0.0] * max_depth  # ... and depth d accepted too
         self.current = "chain-1"
+        self.lockstep = False  # whether the batch of the last choose() was in lockstep
         self._bucket = -1  # no window yet (every batch size is >= 0.75 octaves from it)
         # this window: [tokens, seconds, counted steps, requests] of its steps
         # without prefill rows ("clean") and of the others; and its steps so far
@@ -808,7 +820,8 @@ class ShapeBandit:
         """The bucket's fastest measured arm (None: nothing measured), in
         order of how much they speculate, where a more speculative arm must
         be faster than the best less speculative one by ``speculation_margin``
-        when that is plain, else by ``margin`` (see the class docstring)."""
+        when that is plain and the batch is in lockstep, else by ``margin``
+        (see the class docstring)."""
         best, best_rate = None, 0.0
         for a in self.arms:
             r = self.rate(bucket, a)
@@ -818,7 +831,7 @@ class ShapeBandit:
 
     def _margin(self, less: str) -> float:
         """How much faster than ``less`` a more speculative arm must be."""
-        return self.speculation_margin if less == "plain" else self.margin
+        return self.speculation_margin if less == "plain" and self.lockstep else self.margin
 
     def _seed(self, bucket: int) -> str:
         measured = sorted((abs(b - bucket), b) for b in self.stats if self.best(b) is not None)
@@ -827,8 +840,9 @@ class ShapeBandit:
     def _gap(self, b: int, best: str, rival: str) -> float:
         """How much faster ``rival`` must get to replace ``best`` (a fraction;
         0: it is there), the margins of :meth:`best` included: a speculative
-        arm measured 4% faster than plain is still 5% short of the 10% it
-        needs (and each window of it costs the lockstep the margin stands for)."""
+        arm measured 14% faster than plain is still 5% short of the 20% it
+        needs in lockstep (and each window of it costs the lockstep the margin
+        stands for)."""
         r, rb = self.rate(b, rival), self.rate(b, best)
         if self.arms.index(rival) > self.arms.index(best):
             bar = (1.0 + self._margin(best)) * rb
@@ -850,6 +864,8 @@ class ShapeBandit:
         best = self.best(b)
         if best is None:
             return self._seed(b)
+        if best == "plain" and self.lockstep:
+            return "plain"  # exploring would break the lockstep (class docstring)
         i = self.arms.index(best)
         neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
         if "plain" not in neighbours and best != "plain":
@@ -893,10 +909,16 @@ class ShapeBandit:
             return n
         return best
 
-    def choose(self, batch_size: int) -> str:
-        """The arm for this step's drafts."""
+    def choose(self, batch_size: int, lockstep: bool = False) -> str:
+        """The arm for this step's drafts. ``lockstep``: whether the batch's
+        requests would all finish in the same step under plain decoding (the
+        class docstring); a window ends early when the batch gains it (a new
+        round of prompts, prefilled together), so that a speculative arm
+        picked out of lockstep does not break it."""
         b = self._sticky_bucket(batch_size)
-        if b == self._bucket and self._acc["clean"][2] < self.window - 1 \
+        gained = lockstep and not self.lockstep
+        self.lockstep = lockstep
+        if b == self._bucket and not gained and self._acc["clean"][2] < self.window - 1 \
                 and self._steps < 4 * self.window:
             self._steps += 1
             return self.current
@@ -914,9 +936,9 @@ class ShapeBandit:
         """What a pick was made from: the window that just closed (its shape,
         batch-size bucket, tokens, seconds and counted steps without prefill
         rows, scaled to the bucket's batch size), the shape picked and its
-        bucket, and there every shape's rate (tokens/s; measured or
-        predicted, None: neither), the model's predicted step seconds, and
-        the chains' expected tokens per request."""
+        bucket, whether the batch was in lockstep, and there every shape's
+        rate (tokens/s; measured or predicted, None: neither), the model's
+        predicted step seconds, and the chains' expected tokens per request."""
         b = self._bucket
         rates = {a: self.rate(b, a) for a in self.arms}
         seconds = {a: self.model_seconds(b, a) for a in self.arms}
@@ -925,6 +947,7 @@ class ShapeBandit:
                        "tokens": round(window[0], 2), "seconds": round(window[1], 5),
                        "steps": int(window[2])},
             "picked": self.current, "batch": 1 << b, "best": self.best(b),
+            "lockstep": self.lockstep,
             "rates": {a: None if r is None else round(r, 2) for a, r in rates.items()},
             "step_ms": {a: None if x is None else round(1e3 * x, 2) for a, x in seconds.items()},
             "chain_tokens": [round(self.chain_tokens(k), 3) for k in range(1, len(self.reached) + 1)],
