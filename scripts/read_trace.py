@@ -2,8 +2,9 @@
 """Summarise a shape-bandit trace (``VLLM_EAGLE2_TRACE=PATH``: one JSON line
 per pick, ``ShapeBandit.trace_record``, in ``PATH.<pid>``).
 
-Per batch size (the picks' bucket): how many picks chose each shape, which
-shape the bandit held best and how often that changed, and the cost
+Per batch size (the picks' bucket): how many picks chose each shape (and,
+of those made while the batch was in lockstep, each shape), which shape
+the bandit held best and how often that changed, and the cost
 model's predicted step increment of one more chain depth
 (``step_ms[chain-(k+1)] - step_ms[chain-k]``: the forward line's per-row
 slope plus the drafting line's per-depth slope, both at the speed of the
@@ -51,6 +52,9 @@ def summarise(records: list[dict]) -> dict:
         out[str(batch)] = {
             "picks": len(recs),
             "picked": dict(Counter(r["picked"] for r in recs).most_common()),
+            # traces from before the lockstep flag have none: no lockstep picks
+            "picked_in_lockstep": dict(Counter(
+                r["picked"] for r in recs if r.get("lockstep")).most_common()),
             "best": dict(Counter(bests).most_common()),
             "best_switches": sum(a != b for a, b in zip(bests, bests[1:])),
             "depth_increment_ms": {f"chain-{k}->chain-{k + 1}": quantiles(v)
@@ -68,8 +72,8 @@ def main():
     records = [json.loads(line) for path in args.trace for line in open(path) if line.strip()]
     summary = summarise(records)
     for batch, s in summary.items():
-        print(f"batch {batch}: {s['picks']} picks; picked {s['picked']}; best {s['best']} "
-              f"({s['best_switches']} switches)")
+        print(f"batch {batch}: {s['picks']} picks; picked {s['picked']} (in lockstep "
+              f"{s['picked_in_lockstep']}); best {s['best']} ({s['best_switches']} switches)")
         for step, q in s["depth_increment_ms"].items():
             print(f"  {step}: min {q['min']:.2f} p10 {q['p10']:.2f} median {q['median']:.2f} "
                   f"p90 {q['p90']:.2f} max {q['max']:.2f} ms")

@@ -131,14 +131,15 @@ def test_read_trace_counts_picks_switches_and_depth_increments():
     switches of the best, and chain-(k+1) - chain-k predicted step ms."""
     rt = runpy.run_path(str(assets.ROOT / "scripts" / "read_trace.py"), run_name="not_main")
 
-    def rec(batch, picked, best, c1, c2, c3):
-        return {"batch": batch, "picked": picked, "best": best,
+    def rec(batch, picked, best, c1, c2, c3, lockstep=False):
+        return {"batch": batch, "picked": picked, "best": best, "lockstep": lockstep,
                 "step_ms": {"plain": 10.0, "chain-1": c1, "chain-2": c2, "chain-3": c3,
                             "tree": None}}
 
     records = [rec(1, "chain-1", None, None, None, None),
                rec(1, "chain-2", "chain-2", 11.0, 12.0, 13.5),
-               rec(4, "plain", "plain", 20.0, 21.0, 22.0),
+               rec(4, "plain", "plain", 20.0, 21.0, 22.0, lockstep=True),
+               rec(4, "chain-1", "plain", 20.0, 21.0, 22.0),
                rec(1, "chain-3", "chain-3", 11.0, 13.0, 14.0),
                rec(1, "chain-2", "chain-2", 11.0, 12.5, 14.0)]
     s = rt["summarise"](records)
@@ -150,4 +151,6 @@ def test_read_trace_counts_picks_switches_and_depth_increments():
     assert inc["chain-1->chain-2"] == {"n": 3, "min": 1.0, "p10": 1.0, "median": 1.5,
                                        "p90": 2.0, "max": 2.0}
     assert inc["chain-2->chain-3"]["min"] == 1.0 and inc["chain-2->chain-3"]["max"] == 1.5
-    assert s["4"]["best_switches"] == 0 and s["4"]["depth_increment_ms"]["chain-2->chain-3"]["n"] == 1
+    assert s["4"]["best_switches"] == 0 and s["4"]["depth_increment_ms"]["chain-2->chain-3"]["n"] == 2
+    assert one["picked_in_lockstep"] == {} and s["4"]["picked_in_lockstep"] == {"plain": 1}
+    assert s["4"]["picked"] == {"plain": 1, "chain-1": 1}

@@ -567,8 +567,8 @@ class ShapeBandit:
     plain's, its whole run 2% faster; its drain, 49 steps at 52 tok/s, cost
     13% of the run. The bandit drains on deeper chains, which lose less:
     in ``scripts/bench_paired.py --interleave`` cells on the same host,
-    vLLM's K=2 was 10% faster than vanilla, and the bandit's chain-1
-    windows 15-30% faster than its plain ones.)
+    vLLM's K=2 ran 0.97x to 1.10x vanilla, with the bandit's chain-1
+    windows 6-15% faster than its plain ones.)
     So while the batch is in lockstep (:meth:`choose`) a speculative arm is
     only chosen over plain when it is ``speculation_margin`` (10%) faster,
     and with plain best no other arm is explored (one window of it would
