@@ -32,6 +32,14 @@ engine's scheduler.
 
     .venv/bin/python scripts/bench_paired.py --interleave --rounds 10
 
+``--output-len-spread S``: the timed requests' lengths are seeded draws in
+``MAX_TOKENS x (1 +- S)``, the same for every method, as a server's
+requests differ; with fixed lengths (the default) requests that start
+together also finish together without speculation (the bandit's
+lockstep, ``ShapeBandit``).
+
+    .venv/bin/python scripts/bench_paired.py --interleave --batch-sizes 64 --output-len-spread 0.5
+
 ``--shapes`` adds diagnostic cells: the adaptive engine with its shape
 bandit pinned to one shape (plain, chain-K, tree), which separates what a
 shape costs from what choosing among them costs. They are never the
@@ -184,10 +192,12 @@ class StepCounter:
 
 
 def burst(llm, spec, bs, max_tokens, prompts, min_tokens, counter: StepCounter | None = None,
-          warm: bool = True) -> dict:
+          warm: bool = True, spread: float = 0.0) -> dict:
     """Time one cell on a live engine: concurrency ``bs``, max(4 x bs,
     min_tokens / max_tokens) requests of ``max_tokens`` greedy tokens
-    (``warm``: after an untimed pass of ``bs`` requests). tau: from vLLM's
+    (``warm``: after an untimed pass of ``bs`` requests; ``spread``: seeded
+    lengths in ``max_tokens x (1 +- spread)`` instead, the same for every
+    method, ``bench_baseline.request_params``). tau: from vLLM's
     counters, or with ``counter``, tokens per decode step after each
     request's first token."""
     from bench_baseline import _scheduler, request_params
@@ -204,7 +214,7 @@ def burst(llm, spec, bs, max_tokens, prompts, min_tokens, counter: StepCounter |
     before = None if counter else spec_counters(llm)
     t = time.perf_counter()
     outs = llm.generate([prompts[i % len(prompts)] for i in range(n_req)],
-                        request_params(n_req, max_tokens), use_tqdm=False)
+                        request_params(n_req, max_tokens, spread), use_tqdm=False)
     dt = time.perf_counter() - t
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     if counter:
@@ -220,10 +230,10 @@ def burst(llm, spec, bs, max_tokens, prompts, min_tokens, counter: StepCounter |
     return cell
 
 
-def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens) -> dict:
+def run_cell(target, method, k, bs, max_tokens, prompts, min_tokens, spread=0.0) -> dict:
     """One fresh engine: an untimed pass of ``bs`` requests, then the timed cell."""
     llm, spec = start_engine(target, method, k)
-    cell = burst(llm, spec, bs, max_tokens, prompts, min_tokens)
+    cell = burst(llm, spec, bs, max_tokens, prompts, min_tokens, spread=spread)
     del llm
     gc.collect()
     return cell
@@ -359,6 +369,10 @@ def main():
                          "apart, not an engine start-up apart)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-tokens-per-cell", type=int, default=2048)
+    ap.add_argument("--output-len-spread", type=float, default=0.0, metavar="S",
+                    help="timed requests of seeded random lengths in MAX_TOKENS x (1 +- S), "
+                         "the same for every method (default 0: all MAX_TOKENS long, which "
+                         "keeps requests in lockstep without speculation)")
     ap.add_argument("--out", default=str(ROOT / "results" / "eagle2_paired.json"))
     ap.add_argument("--report", metavar="JSON", nargs="+",
                     help="run nothing: recompute the summaries of a saved run, rewrite it "
@@ -383,6 +397,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": " ".join(sys.argv), "rounds": args.rounds,
                "max_tokens": args.max_tokens, "min_tokens_per_cell": args.min_tokens_per_cell,
+               "output_len_spread": args.output_len_spread,
                "interleaved": args.interleave, "batch_sizes": {}}
     total = args.rounds * sum(len(chain_ks[b]) + 2 + len(args.shapes) for b in args.batch_sizes)
     done, t0 = 0, time.time()
@@ -403,10 +418,11 @@ def main():
                 if args.interleave:
                     llm, spec, counter = live[(method, k)]
                     cell = burst(llm, spec, bs, args.max_tokens, prompts,
-                                 args.min_tokens_per_cell, counter, warm=False)
+                                 args.min_tokens_per_cell, counter, warm=False,
+                                 spread=args.output_len_spread)
                 else:
                     cell = run_cell(target, method, k, bs, args.max_tokens, prompts,
-                                    args.min_tokens_per_cell)
+                                    args.min_tokens_per_cell, args.output_len_spread)
                 cell["round"] = r
                 res["cells"][label(method, k)].append(cell)
                 done += 1
@@ -436,6 +452,10 @@ def pool(paths: list[Path]) -> dict:
               "min_tokens_per_cell": runs[0]["min_tokens_per_cell"], "batch_sizes": {}}
     if any(r["max_tokens"] != pooled["max_tokens"] for r in runs):
         raise SystemExit("--report: the runs differ in max_tokens; their rounds cannot be pooled")
+    if len({r.get("output_len_spread", 0.0) for r in runs}) > 1:
+        raise SystemExit("--report: the runs differ in --output-len-spread; their rounds cannot "
+                         "be pooled")
+    pooled["output_len_spread"] = runs[0].get("output_len_spread", 0.0)
     if len({bool(r.get("interleaved")) for r in runs}) > 1:
         raise SystemExit("--report: some runs are --interleave and some are not; their rounds "
                          "cannot be pooled")

@@ -124,6 +124,12 @@ def test_pool_joins_rounds_of_several_runs(tmp_path):
     with pytest.raises(SystemExit, match="interleave"):
         bp["pool"]([a, tmp_path / "d.json"])  # one engine start-up per cell, and live engines
     assert bp["pool"]([tmp_path / "d.json", tmp_path / "d.json"])["interleaved"] is True
+    e = run([(1, 1)])
+    e["output_len_spread"] = 0.5
+    (tmp_path / "e.json").write_text(json.dumps(e))
+    with pytest.raises(SystemExit, match="output-len-spread"):
+        bp["pool"]([a, tmp_path / "e.json"])  # runs before the option had none: 0
+    assert bp["pool"]([tmp_path / "e.json", tmp_path / "e.json"])["output_len_spread"] == 0.5
 
 
 def test_read_trace_counts_picks_switches_and_depth_increments():
