@@ -396,8 +396,11 @@ def _record_lockstep(worker):
 
 
 def _lockstep_log(worker):
-    log, worker.model_runner._test_lockstep[:] = list(worker.model_runner._test_lockstep), []
-    return log
+    """The recorded (batch size, lockstep) pairs since the last call."""
+    log = worker.model_runner._test_lockstep
+    out = list(log)
+    log.clear()
+    return out
 
 
 def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
