@@ -7,12 +7,22 @@ compare shapes with vanilla and vLLM's chain outside the bandit's choices.
     .venv/bin/python scripts/bench_shapes.py --shape vanilla --batch 64 --requests 128
     .venv/bin/python scripts/bench_shapes.py --shape vllm-chain-2 --batch 64 --requests 128
     .venv/bin/python scripts/bench_shapes.py --shape chain-1 --batch 16 --requests 32 --step-log /tmp/s.json
+    .venv/bin/python scripts/bench_shapes.py --shape plain,chain-1,chain-2,chain-3 --rounds 3 \
+        --batch 16 --requests 48 --output-len-spread 0.5 --out results/X.json
 
 Deep target, EAGLE-3 head, greedy, 64 tokens per request, continuous
 batching at concurrency --batch (as scripts/bench_baseline.py). ``--shape
 free`` leaves the bandit alone. Prints tokens/s and, for eagle2, the
 bandit's measured rates per bucket and shape (a forced shape is still
 measured, so its measured rate can be held against the real one).
+
+Several eagle2 shapes (comma-separated) share one engine: each round runs
+every shape's requests once, the order rotating, and the steps are logged
+(``--step-log`` implied). Per shape it prints, over its full-batch steps
+without prefill rows, the mean step, the target forward measured and the
+bandit's forward model at the step's query rows, drafting, and tokens per
+request, next to the bandit's predicted step and tokens per request for
+that shape: whether the cost model ranks the shapes as they ran.
 """
 from __future__ import annotations
 
@@ -32,7 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def main():
     from vllm import LLM, SamplingParams
 
-    from bench_baseline import _runner, _scheduler, pin_shape, speculative_config
+    from bench_baseline import _runner, _scheduler, pin_shape, request_params, speculative_config
     from make_deep_target import build
     from vllm_eagle_tree import assets
 
@@ -42,10 +52,25 @@ def main():
                     help="plain, chain-K, tree, free (eagle2 8x4x2 adaptive), vanilla, vllm-chain-K")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with several shapes: rounds of every shape, the order rotating")
+    ap.add_argument("--output-len-spread", type=float, default=0.0,
+                    help="output lengths drawn from 64 x (1 +- S), seeded, the same for every "
+                         "shape (as bench_paired.py); 0: 64 each (lockstep)")
+    ap.add_argument("--out", metavar="JSON", help="with several shapes: write the per-shape table")
     ap.add_argument("--step-log", metavar="JSON",
                     help="eagle2 shapes: write every engine step (requests, query rows, prefill "
                          "rows, seconds, emitted tokens) and print where the time went")
     args = ap.parse_args()
+    shapes = args.shape.split(",")
+    if len(shapes) > 1:
+        bad = [x for x in shapes if x in ("vanilla", "free") or x.startswith("vllm-chain-")]
+        if bad:
+            raise SystemExit(f"--shape {args.shape!r}: several shapes must all be eagle2 shapes "
+                             f"(plain, chain-K, tree), not {', '.join(bad)}")
+        args.shape = shapes[0]
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be 1 or more")
 
     if args.shape == "vanilla":
         spec = None
@@ -63,8 +88,10 @@ def main():
         bandit = runner.tree_bandit
         if args.shape != "free":
             pin_shape(llm, args.shape, "--shape", others=("vanilla", "vllm-chain-K", "free"))
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = request_params(args.requests, 64, args.output_len_spread)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    if len(shapes) > 1:
+        return compare_shapes(llm, runner, shapes, args, prompts, params)
     steps = []
     if args.step_log and runner is not None:
         steps = log_steps(runner)
@@ -98,6 +125,88 @@ def main():
                   + (f", {tok / sec:6.1f} tok/s" if sec > 0 else ""))
 
 
+def compare_shapes(llm, runner, shapes, args, prompts, params):
+    """Several pinned shapes on one engine, in rotating rounds (module docstring)."""
+    from bench_baseline import _scheduler, pin_shape
+
+    bandit = runner.tree_bandit
+    bucket = bandit.bucket(args.batch)
+    _scheduler(llm).max_num_active_reqs = args.batch
+    steps = log_steps(runner)
+    runs = {s: [] for s in shapes}  # shape -> [(tokens, seconds)] per round
+    for r in range(args.rounds):
+        for shape in shapes[r % len(shapes):] + shapes[:r % len(shapes)]:
+            pin_shape(llm, shape, "--shape", others=())
+            first = len(steps)
+            t = time.perf_counter()
+            outs = llm.generate([prompts[i % len(prompts)] for i in range(args.requests)],
+                                params, use_tqdm=False)
+            dt = time.perf_counter() - t
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            runs[shape].append((n, dt))
+            for x in steps[first:]:
+                x["shape"] = shape
+            print(f"round {r + 1}: {shape} {n / dt:.1f} tok/s", flush=True)
+    table = {}
+    print(f"batch {args.batch}: full-batch steps without prefill rows (ms per step; "
+          f"tokens per request per step), measured and as the bandit predicts them")
+    for shape in shapes:
+        row = measured_row(steps, runs[shape], shape, args.batch)
+        pred = bandit.model_seconds(bucket, shape)
+        k = None if shape in ("plain", "tree") else int(shape.rsplit("-", 1)[1])
+        row["predicted_step_ms"] = None if pred is None else 1e3 * pred
+        # the bandit's expected tokens (each depth's acceptance one standard
+        # error optimistic) and the plain estimate (optimism 0)
+        row["predicted_tokens_per_request"] = 1.0 if shape == "plain" else \
+            bandit.chain_tokens(k) if k is not None else None
+        row["estimated_tokens_per_request"] = 1.0 if shape == "plain" else \
+            bandit.chain_tokens(k, optimism=0.0) if k is not None else None
+        row["predicted_tok_s"] = bandit.rate(bucket, shape)
+        table[shape] = row
+        fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+        print(f"  {shape:8s} {row['tok_s']:6.1f} tok/s ({row['steps']} steps): step "
+              f"{fmt(row.get('step_ms'))} (predicted {fmt(row['predicted_step_ms'])}), forward "
+              f"{fmt(row.get('forward_ms'))} at {fmt(row.get('rows'), '{:.0f}')} rows (model "
+              f"{fmt(row.get('model_forward_ms'))}), drafting {fmt(row.get('draft_ms'))}, "
+              f"other {fmt(row.get('other_ms'))}; tokens "
+              f"{fmt(row.get('tokens_per_request'), '{:.3f}')} (predicted "
+              f"{fmt(row['predicted_tokens_per_request'], '{:.3f}')}, without optimism "
+              f"{fmt(row['estimated_tokens_per_request'], '{:.3f}')}); predicted "
+              f"{fmt(row['predicted_tok_s'])} tok/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            {"batch": args.batch, "requests": args.requests, "rounds": args.rounds,
+             "output_len_spread": args.output_len_spread, "shapes": table,
+             "model": bandit.model_summary()}, indent=1) + "\n")
+    if args.step_log:
+        Path(args.step_log).write_text(json.dumps(steps) + "\n")
+
+
+def measured_row(steps: list[dict], runs: list[tuple[int, float]], shape: str,
+                 batch: int) -> dict:
+    """One shape's measured line of :func:`compare_shapes`: tokens/s over its
+    runs ((tokens, seconds) per round) and, over its own steps (``arm``: the
+    drafts they verify are the shape's; a round's first step verifies the
+    previous shape's) with the whole batch decoding and no prompt rows, the
+    mean step, target forward, the forward model at the step's rows,
+    drafting, the rest, query rows and tokens per request per step."""
+    xs = [x for x in steps if x.get("shape") == shape and x["arm"] == shape
+          and x["requests"] == batch and x["prefill_rows"] == 0 and x["forward"] is not None]
+    tok = sum(n for n, _ in runs)
+    sec = sum(dt for _, dt in runs)
+    row = {"tok_s": tok / sec, "rounds": [n / dt for n, dt in runs], "steps": len(xs)}
+    if xs:
+        def mean(key):
+            return sum(x[key] for x in xs) / len(xs)
+        row.update(step_ms=1e3 * mean("seconds"), forward_ms=1e3 * mean("forward"),
+                   model_forward_ms=1e3 * mean("model"), draft_ms=1e3 * mean("draft"),
+                   other_ms=1e3 * (mean("seconds") - mean("forward") - mean("draft")),
+                   rows=mean("rows"),
+                   tokens_per_request=sum(x["emitted"] for x in xs)
+                   / sum(x["requests"] for x in xs))
+    return row
+
+
 def log_steps(runner) -> list[dict]:
     """Times every engine step of ``runner`` (from one ``_prepare_inputs`` to
     the next), on the instance only: a benchmark hook, like the tests' hooks."""
@@ -110,7 +219,8 @@ def log_steps(runner) -> list[dict]:
         if cur:
             forward = runner._step_forward  # the target forward's seconds, None: not timed
             steps.append(dict(cur, seconds=now - cur.pop("t0"), emitted=runner._step_emitted,
-                              forward=forward, model=runner.tree_bandit.verify_cost(cur["rows"])))
+                              forward=forward, model=runner.tree_bandit.verify_cost(cur["rows"]),
+                              draft=runner._step_draft))
         out = prepare(scheduler_output, num_scheduled_tokens)
         cur.clear()  # the runner has just counted this step's prefill rows for its bandit
         cur.update(t0=now, requests=len(scheduler_output.num_scheduled_tokens),

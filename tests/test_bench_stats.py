@@ -160,3 +160,36 @@ def test_read_trace_counts_picks_switches_and_depth_increments():
     assert s["4"]["best_switches"] == 0 and s["4"]["depth_increment_ms"]["chain-2->chain-3"]["n"] == 2
     assert one["picked_in_lockstep"] == {} and s["4"]["picked_in_lockstep"] == {"plain": 1}
     assert s["4"]["picked"] == {"plain": 1, "chain-1": 1}
+
+
+def test_bench_shapes_measures_a_shape_on_its_own_full_batch_steps():
+    """scripts/bench_shapes.py with several shapes: a shape's line counts only
+    the steps that verify its drafts with the whole batch decoding and no
+    prompt rows, and tokens/s over its whole runs."""
+    bs = runpy.run_path(str(assets.ROOT / "scripts" / "bench_shapes.py"), run_name="not_main")
+
+    def step(shape, arm, requests=4, prefill=0, seconds=0.05, forward=0.04, draft=0.004,
+             emitted=8, rows=8, model=0.038):
+        return {"shape": shape, "arm": arm, "requests": requests, "prefill_rows": prefill,
+                "seconds": seconds, "forward": forward, "draft": draft, "emitted": emitted,
+                "rows": rows, "model": model}
+
+    steps = [step("chain-1", "plain", seconds=9.0),            # verifies plain's drafts
+             step("chain-1", "chain-1"),
+             step("chain-1", "chain-1", seconds=0.07, forward=0.05, emitted=6, rows=8),
+             step("chain-1", "chain-1", requests=3, seconds=9.0),  # the drain
+             step("chain-1", "chain-1", prefill=30, seconds=9.0),  # prompt rows
+             step("chain-1", "chain-1", forward=None, seconds=9.0),  # not timed
+             step("plain", "chain-1", seconds=9.0)]               # another shape's run
+    row = bs["measured_row"](steps, [(256, 2.0), (256, 1.0)], "chain-1", batch=4)
+    assert row["steps"] == 2
+    assert row["tok_s"] == pytest.approx(512 / 3.0)
+    assert row["rounds"] == [128.0, 256.0]
+    assert row["step_ms"] == pytest.approx(60.0)
+    assert row["forward_ms"] == pytest.approx(45.0)
+    assert row["model_forward_ms"] == pytest.approx(38.0)
+    assert row["draft_ms"] == pytest.approx(4.0)
+    assert row["other_ms"] == pytest.approx(11.0)
+    assert row["tokens_per_request"] == pytest.approx(14 / 8)
+    empty = bs["measured_row"](steps, [(64, 1.0)], "chain-2", batch=4)
+    assert empty == {"tok_s": 64.0, "rounds": [64.0], "steps": 0}
