@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -49,7 +50,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True,
-                    help="plain, chain-K, tree, free (eagle2 8x4x2 adaptive), vanilla, vllm-chain-K")
+                    help="plain, chain-K, tree, free (the --tree engine, bandit unpinned), vanilla, vllm-chain-K")
+    ap.add_argument("--tree", default="8x4x2g", metavar="NxDxK[g]",
+                    help="the eagle2 engine's tree (N nodes, depth D, top-k K; g: sized each "
+                         "step by the goodput planner, with the shape bandit; without g a "
+                         "fixed tree, --shape free only), default 8x4x2g as bench_paired.py")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1,
@@ -80,7 +85,12 @@ def main():
     elif args.shape.startswith("vllm-chain-"):
         spec = speculative_config("eagle3", int(args.shape.rsplit("-", 1)[1]))
     else:
-        spec = speculative_config("eagle2-eagle3", "8x4x2g")
+        if not re.fullmatch(r"\d+x\d+x\d+g?", args.tree):
+            raise SystemExit(f"--tree {args.tree!r}: NxDxK or NxDxKg (e.g. 16x5x4g)")
+        if not args.tree.endswith("g") and args.shape != "free":
+            raise SystemExit(f"--tree {args.tree!r} is a fixed tree, which has no shapes to "
+                             f"pin: use --shape free with it, or a goodput tree ({args.tree}g)")
+        spec = speculative_config("eagle2-eagle3", args.tree)
     target = build(assets.DEEP_TARGET, extra_layers=60)
     prompts = assets.heldout_prompts()
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", enforce_eager=True,
