@@ -177,9 +177,10 @@ def compare_shapes(llm, runner, shapes, args, prompts, params):
         row["predicted_step_ms"] = None if pred is None else 1e3 * pred
         # the bandit's expected tokens (each depth's acceptance one standard
         # error optimistic) and the plain estimate (optimism 0); the tree's
-        # come from its own windows, not from a formula
+        # are its greedy chain's plus what the tree added (ShapeBandit.tree_tokens)
         for key, optimism in (("predicted", 1.0), ("estimated", 0.0)):
             row[f"{key}_tokens_per_request"] = 1.0 if shape == "plain" else \
+                bandit.tree_tokens(bucket, optimism) if shape == "tree" else \
                 None if k is None else bandit.chain_tokens(k, optimism=optimism)
         row["predicted_tok_s"] = bandit.rate(bucket, shape)
         table[shape] = row

@@ -967,6 +967,86 @@ def test_shape_bandit_tree_measured_in_a_quick_moment_does_not_outrank_the_best_
     assert bandit.best(2) == "chain-2"
 
 
+def test_shape_bandit_tree_tokens_are_its_greedy_chain_plus_what_the_tree_adds():
+    """The tree arm's tokens per request: 1, plus its greedy chain's
+    expected accepted length at the lengths that chain had (the chains'
+    pooled acceptance, optimism included), plus the mean of what its
+    accepted paths added over the chain; per bucket, forgetting per tree."""
+    from vllm_eagle_tree.core.budget import ShapeBandit
+
+    bandit = ShapeBandit(max_depth=3)
+    bandit.observe_chain(drafted=[3, 3, 3, 3, 1], accepted=[0, 1, 3, 2, 1], decay=1.0)
+    assert bandit.tree_tokens(2) is None
+    bandit.choose(4)  # the window's bucket: 2 (batch 4)
+    bandit.observe_tree(drafted=[3, 2, 3, 0], covered=[1, 2, 3, 0], accepted=[2, 2, 3, 0],
+                        decay=1.0)
+    ct = bandit.chain_tokens
+    assert bandit.tree_tokens(2) == pytest.approx(
+        1 + (2 * (ct(3) - 1) + (ct(2) - 1) + 0.0) / 4 + (1 + 0 + 0 + 0) / 4)
+    assert bandit.tree_tokens(1) is None  # not borrowed: tree sizes depend on the batch
+    # forgetting: four trees later, the first four weigh decay ** 4
+    bandit.observe_tree(drafted=[1] * 4, covered=[1] * 4, accepted=[3] * 4, decay=0.5)
+    w = 0.5 ** 4
+    assert bandit.tree_tokens(2) == pytest.approx(
+        1 + (w * (2 * (ct(3) - 1) + (ct(2) - 1)) + 4 * (ct(1) - 1)) / (4 * w + 4)
+        + (w * 1 + 4 * 2) / (4 * w + 4))
+
+
+def test_shape_bandit_ranks_the_tree_on_pooled_acceptance_not_its_last_windows():
+    """Batch 1 (AVX-512 Intel host, ``bench_shapes.py --shape
+    chain-3,chain-4,tree``): the tree's steps emitted 2.10 tokens, but its
+    windows' estimate (an EMA of its last few windows) read 1.52, the end
+    of the last request it ran on, so it was predicted 25% slower than it
+    ran. Here a tree ~12% faster than chain-3 over the text ends its last
+    windows on a hard stretch: ranked by those windows it loses to chain-3
+    (old code); by its greedy chain's pooled acceptance (which the hard
+    stretch moves as it moves chain-3's) plus what the tree adds, it stays
+    the best arm."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    cost = LinearCost(a=0.030, b=0.001)
+    bandit = ShapeBandit(max_depth=3, window=4, verify_cost=cost)
+    # the text, a cycle of four steps: (greedy chain's accepted length, the
+    # tree's); chain-3 accepts the first, the tree the second
+    text = [(2, 3), (0, 2), (1, 2), (3, 3)]
+    hard = [(0, 0)]
+    parts = {"chain-3": (4, cost(4), 0.004, 0.002),  # rows, forward, drafting, other
+             "tree": (7, 1.1 * cost(7), 0.006, 0.003)}
+
+    def run(arm, steps):
+        rows, fwd, draft, other = parts[arm]
+        bandit._pick = lambda b: arm
+        assert bandit.choose(1) == arm
+        for chain, tree in steps:
+            bandit.choose(1)
+            accepted = chain if arm == "chain-3" else tree
+            bandit.observe_chain(drafted=[3], accepted=[chain])
+            if arm == "tree":
+                bandit.observe_tree(drafted=[3], covered=[chain], accepted=[tree])
+            bandit.observe(tokens=1 + accepted, seconds=fwd + draft + other, requests=1,
+                           rows=rows, draft=draft, forward=fwd)
+
+    for _ in range(40):
+        run("chain-3", text)
+        run("tree", text)
+    for _ in range(3):
+        run("tree", hard * 4)
+    del bandit._pick
+    bandit.choose(1)  # closes the last window
+
+    def true_rate(arm):
+        rows, fwd, draft, other = parts[arm]
+        tokens = 1 + sum(c if arm == "chain-3" else t for c, t in text) / len(text)
+        return tokens / (fwd + draft + other)
+
+    assert true_rate("tree") > 1.1 * true_rate("chain-3")
+    windows = bandit.stats[0]["tree"][0] / bandit.stats[0]["tree"][1]  # its last windows
+    assert windows < 0.8 * bandit.rate(0, "chain-3")  # what ranked it before
+    assert bandit.tree_tokens(0) == pytest.approx(3.5, abs=0.15)  # 3.5 over the text
+    assert bandit.rate(0, "tree") > 1.05 * bandit.rate(0, "chain-3")
+    assert bandit.best(0) == "tree"
+
+
 def test_shape_bandit_keeps_each_chains_drafting_at_the_speed_it_was_measured():
     """Chain-3 measured while the machine runs at its usual speed, then
     chain-4 while it is 25% slower: both lengths' drafting is predicted at

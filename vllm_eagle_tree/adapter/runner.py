@@ -472,9 +472,11 @@ class TreeRunnerMixin:
         elif self._draft_arm == "tree" and not bool(torch.isnan(tree.value).any()):
             # the greedy chain inside each tree, so that chain estimates follow
             # the text while the tree arm runs: its drafted length, and how
-            # much of it the accepted path covers (both are root paths)
-            self.tree_bandit.observe_chain(
-                *greedy_chain_acceptance(tree, res.num_accepted, res.accepted_nodes))
+            # much of it the accepted path covers (both are root paths); and
+            # what the tree accepted beyond it (the tree arm's tokens)
+            drafted, covered = greedy_chain_acceptance(tree, res.num_accepted, res.accepted_nodes)
+            self.tree_bandit.observe_chain(drafted, covered)
+            self.tree_bandit.observe_tree(drafted, covered, num_acc)
         if self.tree_planner is not None:
             # the planner's calibration sizes tree steps; chain steps teach it
             # too, but one in CHAIN_ACCEPTANCE_EVERY is plenty, and learning

@@ -544,8 +544,10 @@ class ShapeBandit:
     drafting (:meth:`model_seconds`), so that the machine's drift, which
     moves every arm alike, no longer ranks the arms, and a chain-k never
     run is predicted too. So is the tree, once it has run in the bucket:
-    its tokens per request come from its own windows (tokens per step vary
-    little), its step from the same model, with its forward as the
+    its tokens per request are its greedy chain's, from the same pooled
+    acceptance, plus what the rest of the tree adds over that chain,
+    remembered over ~1000 trees (:meth:`tree_tokens`), its step from the
+    same model, with its forward as the
     measured ratio to the line at its query rows (tree attention costs
     extra) at its measured rows per request (the planner sizes trees),
     plus its own time outside the forward and drafting: a tree window
@@ -641,6 +643,10 @@ class ShapeBandit:
         # forward over the model's at its rows), "rows" per request,
         # "other" (outside the forward and drafting) and "draft" seconds
         self._tree: dict[int, dict[str, float]] = {}
+        # bucket -> the tree's tokens (observe_tree), decayed per tree:
+        # [trees, tokens its accepted paths added over their greedy chains,
+        #  trees whose greedy chain was 0, 1, ..., max_depth nodes long]
+        self._tree_tokens: dict[int, list[float]] = {}
         self._waited: dict[int, dict[str, int]] = {}  # bucket -> neighbour -> windows since measured
         self._closed: dict[int, int] = {}  # bucket -> windows measured in it
         self._last: dict[int, dict[str, int]] = {}  # bucket -> arm -> its last window's number
@@ -727,6 +733,49 @@ class ShapeBandit:
             total += alive
         return total
 
+    def observe_tree(self, drafted: list[int], covered: list[int], accepted: list[int],
+                     decay: float = 0.999) -> None:
+        """One verify step of the tree arm, per request: how long the head's
+        greedy chain inside its (pruned) tree was, how many of that chain's
+        nodes the accepted path covers, and how many tokens were accepted
+        (:func:`greedy_chain_acceptance`; the step's bucket is the current
+        window's). Earlier trees weigh ``decay`` per tree since, as chains
+        do (:meth:`observe_chain`)."""
+        b = self._bucket
+        st = self._tree_tokens.setdefault(b, [0.0, 0.0] + [0.0] * (len(self.reached) + 1))
+        f = decay ** len(drafted)
+        st[:] = [f * x for x in st]
+        for k, c, n in zip(drafted, covered, accepted):
+            st[0] += 1.0
+            st[1] += float(max(n - c, 0))
+            st[2 + min(max(k, 0), len(self.reached))] += 1.0
+
+    def tree_tokens(self, bucket: int, optimism: float = 1.0) -> float | None:
+        """Expected tokens a request emits per step on the tree arm in
+        ``bucket`` (None: no tree verified there): 1 (the bonus token), plus
+        the expected accepted length of its greedy chain at the lengths that
+        chain had (the pooled chain acceptance of :meth:`chain_tokens`, one
+        standard error optimistic as for the chains: ``optimism``), plus the mean number of
+        tokens its accepted paths added over that chain.
+
+        Not the tree's own windows' tokens per step: an EMA over a few
+        windows (0.7 a window) follows the text of the request the tree last
+        ran on, while the chains are ranked on ~1000 chains of pooled
+        acceptance. Pinned at batch 1 (AVX-512 Intel host,
+        ``scripts/bench_shapes.py --shape chain-3,chain-4,tree --batch 1``)
+        the tree's steps emitted 2.10 tokens and its windows' estimate read
+        1.52 (the last request's end, 5 tokens in 3 steps), so it was
+        predicted 25% slower than it ran; at batch 2 (a drain, a few
+        windows) it was the best arm in 10 of 25 picks of a paired run. With
+        the greedy chain's part from the pooled acceptance, the tree and the
+        chains are ranked on the same memory of the text."""
+        st = self._tree_tokens.get(bucket)
+        if st is None or st[0] <= 0.0:
+            return None
+        chain = sum(w * (self.chain_tokens(k, optimism) - 1.0)
+                    for k, w in enumerate(st[2:]) if w > 0.0)
+        return 1.0 + (chain + st[1]) / st[0]
+
     @staticmethod
     def _nearest(table: dict, bucket: int, key=None):
         """``table[b]`` of the bucket nearest ``bucket`` (itself first) that
@@ -803,14 +852,19 @@ class ShapeBandit:
         chain-2 window measured 10% slow in a slow moment no longer left
         chain-1 chosen for the rest of a run (issue 6, batch 16 on AVX2),
         nor did chain-1 windows measured fast in a quick one choose it
-        over plain at batch 64. The tree by the model's step and its own
-        windows' tokens per request; every arm without a model by its own
-        windows."""
+        over plain at batch 64. The tree by the model's step and
+        :meth:`tree_tokens` (its own windows' tokens per request where it
+        has no verified trees to go on); every arm without a model by its
+        own windows."""
         k = chain_length(arm)
         seconds = self.model_seconds(bucket, arm)
         st = self.stats.get(bucket, {}).get(arm)
         if seconds is not None and (arm != "tree" or (st is not None and st[3] > 0)):
-            tokens = st[0] / st[3] if arm == "tree" else 1.0 if k is None else self.chain_tokens(k)
+            if arm == "tree":
+                tokens = self.tree_tokens(bucket)
+                tokens = st[0] / st[3] if tokens is None else tokens
+            else:
+                tokens = 1.0 if k is None else self.chain_tokens(k)
             return (1 << bucket) * tokens / max(seconds, 1e-12)
         if st is None or st[1] <= 0:
             return None
