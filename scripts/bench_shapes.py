@@ -50,7 +50,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", required=True,
-                    help="plain, chain-K, tree, free (the --tree engine, bandit unpinned), vanilla, vllm-chain-K")
+                    help="plain, chain-K, tree, free (the --tree engine, bandit unpinned), "
+                         "vanilla, vllm-chain-K")
     ap.add_argument("--tree", default="8x4x2g", metavar="NxDxK[g]",
                     help="the eagle2 engine's tree (N nodes, depth D, top-k K; g: sized each "
                          "step by the goodput planner, with the shape bandit; without g a "

@@ -754,9 +754,9 @@ class ShapeBandit:
         """Expected tokens a request emits per step on the tree arm in
         ``bucket`` (None: no tree verified there): 1 (the bonus token), plus
         the expected accepted length of its greedy chain at the lengths that
-        chain had (the pooled chain acceptance of :meth:`chain_tokens`, one
-        standard error optimistic as for the chains: ``optimism``), plus the mean number of
-        tokens its accepted paths added over that chain.
+        chain had (the pooled chain acceptance of :meth:`chain_tokens`,
+        ``optimism`` standard errors optimistic as for the chains), plus the
+        mean number of tokens its accepted paths added over that chain.
 
         Not the tree's own windows' tokens per step: an EMA over a few
         windows (0.7 a window) follows the text of the request the tree last
@@ -766,7 +766,8 @@ class ShapeBandit:
         the tree's steps emitted 2.10 tokens and its windows' estimate read
         1.52 (the last request's end, 5 tokens in 3 steps), so it was
         predicted 25% slower than it ran; at batch 2 (a drain, a few
-        windows) it was the best arm in 10 of 25 picks of a paired run. With
+        windows) it was the best arm in 10 of 24 picks of the interleaved
+        run on that host (``bench_paired.py --interleave``). With
         the greedy chain's part from the pooled acceptance, the tree and the
         chains are ranked on the same memory of the text."""
         st = self._tree_tokens.get(bucket)
