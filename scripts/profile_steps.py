@@ -27,6 +27,7 @@ import argparse
 import gc
 import os
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -133,15 +134,19 @@ def main():
         timers.clear()
         _scheduler(llm).max_num_active_reqs = args.batch
         gc.callbacks.append(timers.gc_callback)
+        faults = resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         outs = llm.generate([prompts[i % len(prompts)] for i in range(args.requests)],
                             SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
                             use_tqdm=False)
         dt = time.perf_counter() - t
+        faults_after = resource.getrusage(resource.RUSAGE_SELF)
         gc.callbacks.remove(timers.gc_callback)
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         print(f"== {shape}, batch {args.batch}: {n / dt:.1f} tok/s, {dt:.2f} s, "
-              f"{timers.calls.get('execute_model', 0)} engine steps")
+              f"{timers.calls.get('execute_model', 0)} engine steps, "
+              f"{faults_after.ru_minflt - faults.ru_minflt} minor page faults, "
+              f"{faults_after.ru_nivcsw - faults.ru_nivcsw} involuntary context switches")
         for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
             c = timers.calls[k]
             print(f"   {k:30s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call")

@@ -170,6 +170,10 @@ def test_goodput_probes_verify_cost_at_start_up():
     assert g["steps_timed"] == 2 * len(sizes)
     assert g["forward_seconds_a"] + 48 * g["forward_seconds_per_row"] > 0
     assert g["verify_seconds_a"] + 64 * g["verify_seconds_per_row"] > 0
+    # then each of 1..16 rows, three sweeps, as the forward model's small-row shape
+    shape = g["forward_shape"]
+    assert sorted(shape) == list(range(1, 17))
+    assert all(0.0 < f < float("inf") for f in shape.values()), shape
 
 
 

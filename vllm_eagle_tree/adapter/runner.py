@@ -217,17 +217,40 @@ class TreeRunnerMixin:
         sizes = [1 << i for i in range(top.bit_length())]  # each <= top
         return sizes + ([top] if sizes[-1] != top else [])
 
-    def probe_verify_cost(self, repeats: int = 2) -> None:
+    def profile_sizes(self) -> list[int]:
+        """Small query-row counts the start-up probe also times, each one, for
+        the forward model's shape there (``DriftingCost.set_profile``):
+        1..16, the chains of batch 1 and 2 and most of batch 4's."""
+        return list(range(1, min(16, self.probe_sizes()[-1]) + 1))
+
+    def probe_verify_cost(self, repeats: int = 2, profile_repeats: int = 5) -> None:
         """Seed the goodput cost models at start-up: time vLLM's dummy forward
-        pass (attention included) at :meth:`probe_sizes`."""
+        pass (attention included) at :meth:`probe_sizes` (points of both
+        lines, kept for good), then at each of :meth:`profile_sizes` in
+        ``profile_repeats`` sweeps (drift spreads over all sizes alike
+        instead of landing on one), whose least times set the forward
+        model's small-row shape (``DriftingCost.set_profile``; the least,
+        because what disturbs a forward on a busy machine only adds time:
+        medians of 3 put 2 rows 0.5 ms over 3 in one start-up)."""
+        planner = self.tree_planner
         for n in self.probe_sizes():
             self._dummy_run(n, force_attention=True)  # warm
             for _ in range(repeats):
                 t = time.perf_counter()
                 self._dummy_run(n, force_attention=True)
-                self.tree_planner.observe_verify(n, time.perf_counter() - t, probe=True)
-        logger.info("eagle2 goodput: verify cost %.2f ms + %.3f ms per query row (start-up probe)",
-                    1e3 * self.tree_planner.verify_cost.a, 1e3 * self.tree_planner.verify_cost.b)
+                planner.observe_verify(n, time.perf_counter() - t, probe=True)
+        small = self.profile_sizes()
+        times: dict[int, list[float]] = {n: [] for n in small}
+        for _ in range(profile_repeats):
+            for n in small:
+                t = time.perf_counter()
+                self._dummy_run(n, force_attention=True)
+                times[n].append(time.perf_counter() - t)
+        planner.forward_cost.set_profile({n: min(ts) for n, ts in times.items()})
+        logger.info("eagle2 goodput: verify cost %.2f ms + %.3f ms per query row (start-up "
+                    "probe); forward shape at 1..%d rows %s", 1e3 * planner.verify_cost.a,
+                    1e3 * planner.verify_cost.b, small[-1],
+                    " ".join(f"{planner.forward_cost.shape(n):.3f}" for n in small))
 
     def _warn_once(self, what: str) -> None:
         if what not in self._warned:

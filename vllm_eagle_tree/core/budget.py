@@ -23,6 +23,7 @@ Used by the vLLM runner with ``"adaptive": true, "goodput": true``.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable
@@ -112,22 +113,77 @@ class DriftingCost:
     64 where it is not). A long window, because a line fitted on the last
     64 steps follows the drift, and when those steps come in two groups of
     rows (plain's N, chain-1's 2N, a few windows each) one slow window tilts
-    its slope."""
+    its slope.
+
+    At few rows the forward is not a line: on the deep target (AVX-512
+    Intel host, ``_dummy_run``) 1-5 rows cost 30-33 ms, 6-8 rows 35-38 ms
+    (+2 ms a row: oneDNN at tiny M), then ~0.6 ms a row again. The line
+    through the start-up probe reads ~0.4 ms a row there, so chain-4 at
+    batch 1 (5 rows) looked cheaper against chain-3 (4 rows) than it is.
+    :meth:`set_profile` takes the probe's seconds at each small row count
+    once, at start-up, as a fixed factor on the line (``shape``), relative
+    to the largest (16 rows from the runner); live
+    forwards move the line and the speed, never the factor (a factor
+    learnt live could keep an arm from running again after one unlucky
+    window)."""
 
     def __init__(self, window: int = 1024, speed_decay: float = 0.8):
         self.line = LinearCost(window=window)
         self.speed = 1.0
         self.speed_decay = speed_decay
+        self._profile_x: list[int] = []  # row counts with a shape factor (set_profile)
+        self._profile_f: list[float] = []
+
+    def set_profile(self, seconds: dict[int, float]) -> None:
+        """Small row counts' probe seconds (``{rows: seconds}``, e.g. the
+        least of a few timed forwards at each of 1..16 rows) as a fixed
+        factor on the line: made non-decreasing in rows (pooling adjacent
+        violators: more rows never cost less, so a dip is noise), then
+        taken relative to the largest row count given, where the factor is
+        1 (the line's level there is left alone, and there is no step past
+        it). Read in between by linear interpolation; 1 above the largest
+        row count."""
+        xs = sorted(int(x) for x in seconds)
+        blocks: list[list[float]] = []  # [sum, count] of pooled adjacent values
+        for x in xs:
+            blocks.append([float(seconds[x]), 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                tot, cnt = blocks.pop()
+                blocks[-1][0] += tot
+                blocks[-1][1] += cnt
+        ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+        top = xs[-1] if xs else 0
+        if not xs or self.line(top) <= 0.0 or ys[-1] <= 0.0 \
+                or any(self.line(x) <= 0.0 for x in xs):
+            self._profile_x, self._profile_f = [], []
+            return
+        self._profile_x = xs
+        self._profile_f = [y / ys[-1] * self.line(top) / self.line(x) for x, y in zip(xs, ys)]
+
+    def shape(self, x: float) -> float:
+        """The fixed factor on the line at ``x`` rows (1 without a profile)."""
+        xs, fs = self._profile_x, self._profile_f
+        if not xs or x >= xs[-1]:
+            return 1.0
+        if x <= xs[0]:
+            return fs[0]
+        i = bisect.bisect_right(xs, x)
+        x0, x1 = xs[i - 1], xs[i]
+        w = (x - x0) / (x1 - x0)
+        return (1 - w) * fs[i - 1] + w * fs[i]
 
     def observe(self, x: float, seconds: float, decode: bool = True,
                 anchor: bool = False) -> None:
         """A timed forward of ``x`` query rows; ``decode``: it has no prefill
         rows (others are ignored); ``anchor``: a start-up probe point, kept
-        in the line for good (:meth:`LinearCost.anchor`)."""
+        in the line for good (:meth:`LinearCost.anchor`). A live forward
+        enters the line divided by :meth:`shape` (the line stays the
+        trend the profile is a factor on)."""
         if not decode:
             return
-        (self.line.anchor if anchor else self.line.observe)(x, seconds)
-        fitted = self.line(x)
+        shape = 1.0 if anchor else self.shape(x)
+        (self.line.anchor if anchor else self.line.observe)(x, seconds / shape)
+        fitted = self.line(x) * shape
         if fitted > 0.0:
             self.speed = self.speed_decay * self.speed + (1 - self.speed_decay) * seconds / fitted
 
@@ -140,7 +196,7 @@ class DriftingCost:
         return self.speed * self.line.b
 
     def __call__(self, x: float) -> float:
-        return self.speed * self.line(x)
+        return self.speed * self.line(x) * self.shape(x)
 
 
 class ChainDraftCost:
