@@ -156,10 +156,21 @@ def test_goodput_budget_greedy_identical(vanilla_greedy_200, tmp_path, monkeypat
     assert seen and all(0.0 <= r <= 1.0 for r in seen)
 
 
-def test_goodput_probes_verify_cost_at_start_up():
+def test_goodput_probes_verify_cost_at_start_up(monkeypatch):
+    from vllm_eagle_tree.adapter import runner as runner_module
+
+    loads = []
+    real_load = runner_module.load_cpu_tree_op
+
+    def load():  # the fused tree attention op: built or loaded at start-up, not mid-request
+        loads.append(1)
+        return real_load()
+
+    monkeypatch.setattr(runner_module, "load_cpu_tree_op", load)
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
             "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
     llm = make_llm(speculative_config=spec, max_num_seqs=8)
+    assert loads == [1]  # in-process engine: the worker's runner called it, before any request
     try:
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
     finally:

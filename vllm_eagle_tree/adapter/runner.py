@@ -42,7 +42,7 @@ from ..core import TreeBatch, verify
 from ..core.budget import GoodputPlanner, ShapeBandit, chain_length, greedy_chain_acceptance
 from .attention import TREE_METADATA_ATTR, TreeAttention, TreeCPUAttentionImpl
 from .config import Eagle2Settings
-from .cpu_tree_attention import cpu_compact_kv, probe_cpu_kv_layout
+from .cpu_tree_attention import cpu_compact_kv, load_cpu_tree_op, probe_cpu_kv_layout
 from .proposer import FirstPassRows, PendingRows, TreeDrafter, tree_from_cache
 
 logger = logging.getLogger("vllm_eagle_tree")
@@ -177,6 +177,11 @@ class TreeRunnerMixin:
                 f'"auto"), got {self.cache_config.cache_dtype!r}')
         self._tree_block_size = self.input_batch.block_table[0].block_size
         probe_cpu_kv_layout(self.model_config.dtype, self._tree_block_size, spec.head_size)
+        # Build (or load) the fused tree attention op now, not in the first
+        # tree step: built there, it stalled a served engine's first request
+        # for 15 s (a `vllm bench serve` at concurrency 1, after the sources
+        # had been built from another checkout: mean TTFT 1228 ms, median 266).
+        load_cpu_tree_op()
         for kv in self.kv_caches:
             if kv.shape[2] != self._tree_block_size:
                 raise NotImplementedError(
