@@ -237,20 +237,21 @@ class TreeRunnerMixin:
         model's small-row shape (``DriftingCost.set_profile``; the least,
         because what disturbs a forward on a busy machine only adds time:
         medians of 3 put 2 rows 0.5 ms over 3 in one start-up)."""
+        def timed(n: int) -> float:
+            t = time.perf_counter()
+            self._dummy_run(n, force_attention=True)
+            return time.perf_counter() - t
+
         planner = self.tree_planner
         for n in self.probe_sizes():
-            self._dummy_run(n, force_attention=True)  # warm
+            timed(n)  # warm
             for _ in range(repeats):
-                t = time.perf_counter()
-                self._dummy_run(n, force_attention=True)
-                planner.observe_verify(n, time.perf_counter() - t, probe=True)
+                planner.observe_verify(n, timed(n), probe=True)
         small = self.profile_sizes()
         times: dict[int, list[float]] = {n: [] for n in small}
         for _ in range(profile_repeats):
             for n in small:
-                t = time.perf_counter()
-                self._dummy_run(n, force_attention=True)
-                times[n].append(time.perf_counter() - t)
+                times[n].append(timed(n))
         planner.forward_cost.set_profile({n: min(ts) for n, ts in times.items()})
         logger.info("eagle2 goodput: verify cost %.2f ms + %.3f ms per query row (start-up "
                     "probe); forward shape at 1..%d rows %s", 1e3 * planner.verify_cost.a,

@@ -58,8 +58,7 @@ class TreeCPUWorker(CPUWorker):
                 "forward_seconds_a": planner.forward_cost.line.a,
                 "forward_seconds_per_row": planner.forward_cost.line.b,
                 "forward_speed": planner.forward_cost.speed,
-                "forward_shape": dict(zip(planner.forward_cost._profile_x,
-                                          planner.forward_cost._profile_f)),
+                "forward_shape": planner.forward_cost.profile(),
                 "arm": self.model_runner.tree_bandit.current,
                 "last_plan": None if plan is None else vars(plan).copy(),
             }

@@ -118,14 +118,13 @@ class DriftingCost:
     At few rows the forward is not a line: on the deep target (AVX-512
     Intel host, ``_dummy_run``) 1-5 rows cost 30-33 ms, 6-8 rows 35-38 ms
     (+2 ms a row: oneDNN at tiny M), then ~0.6 ms a row again. The line
-    through the start-up probe reads ~0.4 ms a row there, so chain-4 at
+    through the start-up probe reads ~0.55 ms a row there, so chain-4 at
     batch 1 (5 rows) looked cheaper against chain-3 (4 rows) than it is.
     :meth:`set_profile` takes the probe's seconds at each small row count
-    once, at start-up, as a fixed factor on the line (``shape``), relative
-    to the largest (16 rows from the runner); live
-    forwards move the line and the speed, never the factor (a factor
-    learnt live could keep an arm from running again after one unlucky
-    window)."""
+    once, at start-up, as a fixed factor on the line (:meth:`shape`),
+    relative to the largest (16 rows from the runner); live forwards move
+    the line and the speed, never the factor (a factor learnt live could
+    keep an arm from running again after one unlucky window)."""
 
     def __init__(self, window: int = 1024, speed_decay: float = 0.8):
         self.line = LinearCost(window=window)
@@ -143,7 +142,10 @@ class DriftingCost:
         1 (the line's level there is left alone, and there is no step past
         it). Read in between by linear interpolation; 1 above the largest
         row count."""
+        self._profile_x, self._profile_f = [], []
         xs = sorted(int(x) for x in seconds)
+        if not xs or any(self.line(x) <= 0.0 for x in xs):
+            return
         blocks: list[list[float]] = []  # [sum, count] of pooled adjacent values
         for x in xs:
             blocks.append([float(seconds[x]), 1.0])
@@ -152,13 +154,15 @@ class DriftingCost:
                 blocks[-1][0] += tot
                 blocks[-1][1] += cnt
         ys = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
-        top = xs[-1] if xs else 0
-        if not xs or self.line(top) <= 0.0 or ys[-1] <= 0.0 \
-                or any(self.line(x) <= 0.0 for x in xs):
-            self._profile_x, self._profile_f = [], []
+        if ys[-1] <= 0.0:
             return
+        top = xs[-1]
         self._profile_x = xs
         self._profile_f = [y / ys[-1] * self.line(top) / self.line(x) for x, y in zip(xs, ys)]
+
+    def profile(self) -> dict[int, float]:
+        """The factor at each row count :meth:`set_profile` was given (empty: none)."""
+        return dict(zip(self._profile_x, self._profile_f))
 
     def shape(self, x: float) -> float:
         """The fixed factor on the line at ``x`` rows (1 without a profile)."""
