@@ -4,7 +4,8 @@
 Starts one eagle2 8x4x2 goodput engine on the deep target (EAGLE-3 head),
 then, ROUNDS times, for each row count: one warm ``_dummy_run`` (attention
 included, as the start-up probe's) and five timed ones; prints
-``rows:least/median`` in ms per round. The goodput runner's start-up probe
+``rows:least/median`` in ms per round, after the forward model at those
+rows as the start-up probe left it (and its shape factors). The goodput runner's start-up probe
 (``probe_verify_cost``) uses the least of 5 sweeps at 1..16 rows as the
 forward model's small-row shape (``DriftingCost.set_profile``).
 
@@ -41,6 +42,10 @@ def main():
         raise SystemExit("--rows: row counts must be >= 1")
     llm, _ = start_engine(build(assets.DEEP_TARGET, extra_layers=60), *ADAPTIVE)
     runner = _runner(llm)
+    cost = runner.tree_planner.forward_cost  # as the start-up probe left it
+    print("model", " ".join(f"{n}:{1e3 * cost(n):.1f}" for n in args.rows),
+          f"(line {1e3 * cost.a:.1f} ms + {1e3 * cost.b:.3f} ms a row, speed {cost.speed:.3f})")
+    print("probe shape", " ".join(f"{n}:{f:.3f}" for n, f in cost.profile().items()), flush=True)
     for r in range(args.rounds):
         cells = []
         for n in args.rows:

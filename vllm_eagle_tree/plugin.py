@@ -7,6 +7,7 @@ this module; each patch names the vLLM version and the function it replaces.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -69,6 +70,18 @@ def register_tree_attention_backend() -> None:
     _cached_get_attn_backend.cache_clear()
 
 
+def _with_waiting_count(schedule):
+    """``Scheduler.schedule`` that also sets ``eagle2_waiting`` on its output."""
+    @functools.wraps(schedule)
+    def wrapped(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        out.eagle2_waiting = self.get_request_counts()[1]
+        return out
+
+    wrapped._eagle2_wrapped = True
+    return schedule if getattr(schedule, "_eagle2_wrapped", False) else wrapped
+
+
 def register() -> None:
     """vLLM plugin hook. Idempotent; runs in every vLLM process."""
     global _REGISTERED
@@ -103,6 +116,17 @@ def register() -> None:
 
         EngineArgs.create_speculative_config = wrap_create_speculative_config(
             EngineArgs.create_speculative_config)
+        # vLLM 0.32 `Scheduler.schedule` (vllm/v1/core/sched/scheduler.py:591),
+        # which builds each step's `SchedulerOutput` in the engine core.
+        # Wrapped to attach how many requests wait behind the running ones
+        # (`get_request_counts`, :2608) as `SchedulerOutput.eagle2_waiting`:
+        # the shape bandit weighs a lockstep batch's drain by the work still
+        # queued (ShapeBandit.lockstep_rate). The attribute travels with the
+        # dataclass's pickled __dict__ to mp and Ray workers; a worker that
+        # finds none assumes no queue. Output is otherwise untouched.
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        Scheduler.schedule = _with_waiting_count(Scheduler.schedule)
         logger.debug("vllm-eagle-tree registered in pid %d", os.getpid())
     record = os.environ.get(REGISTRY_ENV)
     if record:

@@ -181,9 +181,13 @@ def test_goodput_probes_verify_cost_at_start_up(monkeypatch):
     assert g["steps_timed"] == 2 * len(sizes)
     assert g["forward_seconds_a"] + 48 * g["forward_seconds_per_row"] > 0
     assert g["verify_seconds_a"] + 64 * g["verify_seconds_per_row"] > 0
-    # then each of 1..16 rows, three sweeps, as the forward model's small-row shape
+    # the forward model's shape at each of 1..16 rows, every chain step's
+    # rows at batch 1, 2, 4, 8 (N x (1 + k), k <= 5) and the probe's sizes
     shape = g["forward_shape"]
-    assert sorted(shape) == list(range(1, 17))
+    chains = {n * (1 + k) for n in (1, 2, 4, 8) for k in range(6)}
+    assert sorted(shape) == sorted(set(range(1, 17)) | chains | set(sizes))
+    assert sorted(shape)[16:] == [20, 24, 32, 40, 48]
+    assert shape[48] == pytest.approx(1.0)  # relative to the largest
     assert all(0.0 < f < float("inf") for f in shape.values()), shape
 
 
@@ -202,7 +206,7 @@ def _set_skip_pattern(worker, period, hold):
     runner.hold_plain_rows = hold
     count = [0]
 
-    def choose(batch_size, lockstep=False):
+    def choose(batch_size, lockstep=False, horizon=1.0):
         count[0] += 1
         return "tree" if count[0] % period == 0 else "plain"
 
@@ -373,7 +377,7 @@ def _force_arms(worker, arms, fast):
     drafter = runner.tree_drafter
     count = [0]
 
-    def choose(batch_size, lockstep=False):
+    def choose(batch_size, lockstep=False, horizon=1.0):
         count[0] += 1
         return arms[count[0] % len(arms)]
 
@@ -398,12 +402,13 @@ def _drafts_log(worker):
 
 def _record_lockstep(worker):
     """Test hook: the shape bandit always picks "plain" (which keeps a
-    lockstep) and records the ``lockstep`` the runner gives it each step."""
+    lockstep) and records the ``lockstep`` and ``horizon`` the runner gives
+    it each step."""
     runner = worker.model_runner
     log = runner._test_lockstep = []
 
-    def choose(batch_size, lockstep=False):
-        log.append((batch_size, lockstep))
+    def choose(batch_size, lockstep=False, horizon=1.0):
+        log.append((batch_size, lockstep, horizon))
         return "plain"
 
     runner.tree_bandit.choose = choose
@@ -411,7 +416,7 @@ def _record_lockstep(worker):
 
 
 def _lockstep_log(worker):
-    """The recorded (batch size, lockstep) pairs since the last call."""
+    """The recorded (batch size, lockstep, horizon) since the last call."""
     log = worker.model_runner._test_lockstep
     out = list(log)
     log.clear()
@@ -446,7 +451,7 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
         assert llm.collective_rpc(_record_lockstep) == [True]
         lockstep = []
-        for lengths in ([8] * 4, [8, 8, 12, 12], [8]):
+        for lengths in ([8] * 4, [8, 8, 12, 12], [8], [8] * 12):
             run(llm, PROMPTS[:len(lengths)], [SamplingParams(temperature=0.0, max_tokens=n,
                                                              ignore_eos=True) for n in lengths])
             lockstep.append(llm.collective_rpc(_lockstep_log)[0])
@@ -461,10 +466,21 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
     # the runner's lockstep: requests with the same number of tokens left
     # (equal max_tokens, started together) until they finish together; with
     # 8 and 12 tokens, only once the 8-token ones have finished; never alone
-    same, mixed_lengths, alone = lockstep
-    assert len(same) >= 8 and all(x == (4, True) for x in same), same
-    assert mixed_lengths == [(4, False)] * 8 + [(2, True)] * 4, mixed_lengths
-    assert alone and all(x == (1, False) for x in alone), alone
+    same, mixed_lengths, alone, queued = lockstep
+    assert len(same) >= 8 and all(x[:2] == (4, True) for x in same), same
+    assert [x[:2] for x in mixed_lengths] == [(4, False)] * 8 + [(2, True)] * 4, mixed_lengths
+    assert alone and all(x[:2] == (1, False) for x in alone), alone
+    # the horizon, the work left in rounds of the batch: tokens left over
+    # max_tokens, one round's worth falling a step at a time, plus (the
+    # scheduler's waiting count, registration's patch) 4 requests queued
+    # behind 8 running: half a round more, step for step
+    rounds = [h for _, _, h in same]
+    assert rounds == sorted(rounds, reverse=True) and 0 < rounds[-1] and rounds[0] <= 1
+    assert len(set(round(8 * h, 6) for h in rounds)) == len(rounds)  # 1/8 a step
+    assert all(round(8 * h, 6) == int(round(8 * h)) for h in rounds), rounds
+    first = [x for x in queued if x[0] == 8]
+    assert [x[1] for x in first] == [True] * len(first) and len(first) >= len(same)
+    assert [h - 0.5 for _, _, h in first[:len(rounds)]] == pytest.approx(rounds), first
     assert {a for a, *_ in mixed} == set(arms) - {"plain"}
     assert d.drafts > 0
     # every target layer's attention takes the tree dispatch exactly in the

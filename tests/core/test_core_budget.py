@@ -95,6 +95,44 @@ def test_drifting_cost_profile_gives_the_forward_its_shape_at_few_rows():
     assert dip(2) == pytest.approx(dip(3))
 
 
+def test_drifting_cost_learns_the_forward_ratio_where_the_rows_change():
+    """The probe's profile puts 32 rows at 1.24x 16 rows where live decode
+    steps take 1.34x (its dummy rows are one-token requests). Windows of
+    16 and 32 rows taking turns, on a machine drifting 20% up and back,
+    correct it: the model's 32 / 16 ratio ends within 1.5% of the true one
+    (the 16-row model tracking the live forward within 2%). Steps at one
+    row count leave the factors alone."""
+    import math as m
+
+    from vllm_eagle_tree.core.budget import DriftingCost
+
+    def probed():
+        c = DriftingCost()
+        for n in (1, 2, 4, 8, 16, 32, 64):
+            c.observe(n, 0.030 + 0.0007 * n, anchor=True)
+        c.set_profile({8: 0.040, 16: 0.050, 32: 0.062, 64: 0.080})  # 32 / 16 = 1.24
+        return c
+
+    true = {16: 0.050, 32: 0.067}  # 1.34
+    c = probed()
+    assert c(32) / c(16) == pytest.approx(1.24, rel=1e-6)
+    step = 0
+    for w in range(60):  # 60 windows of 4 steps, the rows alternating
+        x = 16 if w % 2 == 0 else 32
+        for _ in range(4):
+            drift = 1.0 + 0.2 * m.sin(step / 80.0)  # slow, 20% at most
+            step += 1
+            c.observe(x, true[x] * drift)
+    assert c(32) / c(16) == pytest.approx(true[32] / true[16], rel=0.015)
+    assert c(16) == pytest.approx(true[16] * (1.0 + 0.2 * m.sin((step - 1) / 80.0)), rel=0.02)
+    steady = probed()
+    before = steady.profile()
+    for i in range(240):  # one arm only, the machine drifting
+        steady.observe(16, true[16] * (1.0 + 0.2 * m.sin(i / 80.0)))
+    assert steady.profile() == before
+    assert steady(32) / steady(16) == pytest.approx(1.24, rel=1e-6)
+
+
 def test_shape_bandit_with_the_forward_profile_keeps_chain_3_at_batch_1():
     """Batch 1, the forward kinked as measured (``_kinked_forward``):
     chain-4 emits 6% more tokens a step than chain-3, but its step is
@@ -643,10 +681,9 @@ def test_shape_bandit_weighs_a_re_measured_arms_old_value_by_its_age():
 
 
 def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
-    """best(): in lockstep a speculative arm must beat plain by
-    speculation_margin (10%), out of it by margin (2%); a more speculative
-    arm must beat the best less speculative (speculative) one by margin
-    (2%) either way."""
+    """best(): a more speculative arm must beat the best less speculative one
+    by margin (2%); in lockstep, without a cost model, a speculative arm's
+    rate is first taken over 1 + speculation_margin (10%, its drain)."""
     from vllm_eagle_tree.core.budget import ShapeBandit, chain_length
 
     bandit = ShapeBandit(max_depth=2)
@@ -660,14 +697,14 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
             assert bandit.rate(0, a) == pytest.approx(r)
         return bandit.best(0)
 
-    bandit.lockstep = True
+    bandit.lockstep = True  # a speculative arm must be 1.10 x 1.02 = 1.122 x plain
     assert best(plain=100.0, tree=120.0) == "tree"  # arms not measured are skipped
-    assert best(plain=100.0, tree=109.0) == "plain"  # < 1.10 * plain
-    assert best(plain=100.0, chain_2=112.0, tree=114.0) == "chain-2"  # tree < 1.02 * 112
-    assert best(plain=100.0, chain_2=112.0, tree=114.3) == "tree"
-    assert best(plain=100.0, chain_1=108.0, chain_2=109.9) == "plain"  # both < 1.10 * plain
-    assert best(plain=100.0, chain_1=108.0, chain_2=110.1) == "chain-2"
-    assert best(plain=100.0, chain_1=111.0, chain_2=113.0) == "chain-1"  # < 1.02 * 111
+    assert best(plain=100.0, tree=112.0) == "plain"
+    assert best(plain=100.0, tree=112.3) == "tree"
+    assert best(plain=100.0, chain_2=113.0, tree=115.0) == "chain-2"  # tree < 1.02 * 113
+    assert best(plain=100.0, chain_2=113.0, tree=115.5) == "tree"
+    assert best(plain=100.0, chain_1=108.0, chain_2=112.1) == "plain"  # both < 1.122 * plain
+    assert best(plain=100.0, chain_1=108.0, chain_2=112.3) == "chain-2"
     assert best(chain_1=50.0, chain_2=51.0) == "chain-1"
     assert best(chain_1=50.0, chain_2=51.1) == "chain-2"
     assert best() is None
@@ -679,6 +716,57 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
     bandit.lockstep = True
     bandit.speculation_margin = bandit.margin = 0.0
     assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "chain-2"
+
+
+def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
+    """lockstep_rate(): with a cost model, a chain's rate over H rounds of
+    the batch whose last one drains (one lifetime of steps at half the
+    batch, emitting half a round): H rounds of N requests x L tokens in
+    (L / tau) x (H t(N) + t(N / 2) - t(N) / 2) seconds, t(N / 2) the step
+    with the forward at half the rows. So at batch 16 on a forward that
+    costs 1 ms a row over 30 ms, chain-1 (13% faster than plain in full
+    steps) loses to plain when the batch is the last round or two and wins
+    with 4 rounds queued (the horizon choose() is given); where the forward
+    hardly grows with rows, a drain step costs nearly a full one, and one
+    round's drain takes a third off the rate."""
+    from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
+
+    def bandit_at(bucket, a, b):
+        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=a, b=b))
+        bandit._other[bucket] = {"plain": 0.003, "chain": 0.004}
+        bandit._draft[bucket] = ChainDraftCost()
+        bandit._draft[bucket].observe(1, 0.003)
+        bandit.observe_chain([1] * 100, [1] * 55 + [0] * 45)  # depth 1: 55% accepted
+        return bandit
+
+    bandit = bandit_at(4, 0.030, 0.001)
+    n, L = 16, 64
+    t_plain = 0.030 + 0.001 * n + 0.003
+    t_c1, tau = 0.030 + 0.001 * 2 * n + 0.004 + 0.003, bandit.chain_tokens(1)
+    t_half = 0.030 + 0.001 * n + 0.004 + 0.003  # half the batch: half the rows
+    assert bandit.rate(4, "chain-1") == pytest.approx(n * tau / t_c1)
+    assert 1.08 < bandit.rate(4, "chain-1") / bandit.rate(4, "plain") < 1.16
+    for H, best in ((1.0, "plain"), (2.0, "plain"), (4.0, "chain-1")):
+        bandit.choose(n, lockstep=True, horizon=H)
+        assert bandit.lockstep and bandit.horizon == H
+        seconds = (L / tau) * (H * t_c1 + t_half - t_c1 / 2)
+        assert bandit.lockstep_rate(4, "chain-1") == pytest.approx(H * n * L / seconds)
+        assert bandit.lockstep_rate(4, "plain") == pytest.approx(n / t_plain)
+        assert bandit.best(4) == best, H
+    bandit.choose(n, lockstep=False)
+    assert bandit.best(4) == "chain-1"  # out of lockstep: its full-step rate
+    # the horizon is at least one round (a lockstep broken late still drains)
+    bandit.choose(n, lockstep=True, horizon=0.25)
+    seconds = (L / tau) * (t_c1 + t_half - t_c1 / 2)
+    assert bandit.lockstep_rate(4, "chain-1") == pytest.approx(n * L / seconds)
+    # a flat forward (30 ms + 0.1 ms a row, batch 4)
+    flat = bandit_at(2, 0.030, 0.0001)
+    flat.choose(4, lockstep=True, horizon=1.0)
+    t_c1 = 0.030 + 0.0001 * 8 + 0.007
+    t_half = t_c1 - 0.0001 * 4
+    assert flat.lockstep_rate(2, "chain-1") == pytest.approx(
+        flat.rate(2, "chain-1") * t_c1 / (t_c1 + t_half - t_c1 / 2))
+    assert 0.66 < flat.lockstep_rate(2, "chain-1") / flat.rate(2, "chain-1") < 0.68
 
 
 def test_shape_bandit_keeps_plain_in_lockstep_and_picks_again_when_it_is_gained():

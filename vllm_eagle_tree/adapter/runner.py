@@ -223,40 +223,52 @@ class TreeRunnerMixin:
         return sizes + ([top] if sizes[-1] != top else [])
 
     def profile_sizes(self) -> list[int]:
-        """Small query-row counts the start-up probe also times, each one, for
-        the forward model's shape there (``DriftingCost.set_profile``):
-        1..16, the chains of batch 1 and 2 and most of batch 4's."""
-        return list(range(1, min(16, self.probe_sizes()[-1]) + 1))
+        """Query-row counts the start-up probe times for the forward model's
+        shape (``DriftingCost.set_profile``): each of 1..16 (the chains of
+        batch 1 and 2 and most of batch 4's), every row count a chain step
+        of a power-of-two batch verifies (N x (1 + k) for N <= max_num_seqs,
+        k <= max_depth: what the shape bandit predicts) and the probe's
+        :meth:`probe_sizes`, up to the most a step verifies."""
+        top = self.probe_sizes()[-1]
+        sizes = set(range(1, 17)) | set(self.probe_sizes())
+        n = 1
+        while n <= self.scheduler_config.max_num_seqs:
+            sizes |= {n * (1 + k) for k in range(self.eagle2.tree.max_depth + 1)}
+            n *= 2
+        return sorted(x for x in sizes if x <= top)
 
     def probe_verify_cost(self, repeats: int = 2, profile_repeats: int = 5) -> None:
         """Seed the goodput cost models at start-up: time vLLM's dummy forward
-        pass (attention included) at :meth:`probe_sizes` (points of both
-        lines, kept for good), then at each of :meth:`profile_sizes` in
+        pass (attention included) at each of :meth:`profile_sizes`, in
         ``profile_repeats`` sweeps (drift spreads over all sizes alike
-        instead of landing on one), whose least times set the forward
-        model's small-row shape (``DriftingCost.set_profile``; the least,
+        instead of landing on one). The least time at each size sets the
+        forward model's shape (``DriftingCost.set_profile``; the least,
         because what disturbs a forward on a busy machine only adds time:
-        medians of 3 put 2 rows 0.5 ms over 3 in one start-up)."""
+        medians of 3 put 2 rows 0.5 ms over 3 in one start-up, and the
+        least of 3 put 32 rows at 1.24x 16 rows where 5 more sweeps a
+        minute later gave 1.34x); the first ``repeats`` at each of
+        :meth:`probe_sizes` are points of both lines, kept for good."""
         def timed(n: int) -> float:
             t = time.perf_counter()
             self._dummy_run(n, force_attention=True)
             return time.perf_counter() - t
 
         planner = self.tree_planner
-        for n in self.probe_sizes():
+        sizes = self.profile_sizes()
+        for n in sizes:
             timed(n)  # warm
-            for _ in range(repeats):
-                planner.observe_verify(n, timed(n), probe=True)
-        small = self.profile_sizes()
-        times: dict[int, list[float]] = {n: [] for n in small}
-        for _ in range(profile_repeats):
-            for n in small:
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(max(profile_repeats, repeats)):
+            for n in sizes:
                 times[n].append(timed(n))
+        for n in self.probe_sizes():
+            for seconds in times[n][:repeats]:
+                planner.observe_verify(n, seconds, probe=True)
         planner.forward_cost.set_profile({n: min(ts) for n, ts in times.items()})
         logger.info("eagle2 goodput: verify cost %.2f ms + %.3f ms per query row (start-up "
-                    "probe); forward shape at 1..%d rows %s", 1e3 * planner.verify_cost.a,
-                    1e3 * planner.verify_cost.b, small[-1],
-                    " ".join(f"{planner.forward_cost.shape(n):.3f}" for n in small))
+                    "probe); forward shape at %s rows: %s", 1e3 * planner.verify_cost.a,
+                    1e3 * planner.verify_cost.b, ",".join(map(str, sizes)),
+                    " ".join(f"{planner.forward_cost.shape(n):.3f}" for n in sizes))
 
     def _warn_once(self, what: str) -> None:
         if what not in self._warned:
@@ -564,7 +576,9 @@ class TreeRunnerMixin:
         if self.tree_bandit is not None:
             scheduled = [r for r in self.input_batch.req_ids[:num_reqs]
                          if scheduler_output.num_scheduled_tokens.get(r, 0) > 0]
-            arm = self.tree_bandit.choose(len(scheduled), lockstep=self._in_lockstep(scheduled))
+            horizon = self._lockstep_horizon(scheduled, scheduler_output)
+            arm = self.tree_bandit.choose(len(scheduled), lockstep=horizon is not None,
+                                          horizon=1.0 if horizon is None else horizon)
         self._draft_arm = arm
         skip = arm == "plain"
         if skip and not self.hold_plain_rows and self._hold_plain_decodes(
@@ -651,24 +665,30 @@ class TreeRunnerMixin:
             drafts[q.batch_index] = t[1][1:]
         return drafts
 
-    def _in_lockstep(self, req_ids: list[str]) -> bool:
-        """Whether these requests (two or more) would all finish in the same
-        step under plain decoding: each has the same number of output tokens
-        left before its ``max_tokens`` (the shape bandit's lockstep,
-        :class:`ShapeBandit`). Stop tokens may still end one early; that
-        only ends the lockstep sooner."""
-        left = None
+    def _lockstep_horizon(self, req_ids: list[str], scheduler_output) -> float | None:
+        """None unless these requests (two or more) would all finish in the
+        same step under plain decoding: each has the same number of output
+        tokens left before its ``max_tokens`` (the shape bandit's lockstep,
+        :class:`ShapeBandit`; stop tokens may still end one early, which only
+        ends the lockstep sooner). Then the work left, in rounds of this
+        batch: the tokens left over ``max_tokens``, plus the requests waiting
+        in the scheduler (``eagle2_waiting``, registration's patch; none
+        where it is missing) over the batch size, each taken to want as
+        many tokens (``ShapeBandit.lockstep_rate``)."""
+        left = most = None
         for r in req_ids:
-            req = self.requests[r]
-            params = req.sampling_params
+            params = self.requests[r].sampling_params
             if params is None or params.max_tokens is None:
-                return False
-            n = params.max_tokens - len(req.output_token_ids)
+                return None
+            n = params.max_tokens - len(self.requests[r].output_token_ids)
             if left is None:
-                left = n
+                left, most = n, params.max_tokens
             elif n != left:
-                return False
-        return len(req_ids) >= 2
+                return None
+        if len(req_ids) < 2:
+            return None
+        waiting = getattr(scheduler_output, "eagle2_waiting", 0) or 0
+        return left / max(most, 1) + waiting / len(req_ids)
 
     def _hold_plain_decodes(self, scheduler_output, sampled_token_ids, hidden_states,
                             aux_hidden_states) -> bool:

@@ -115,27 +115,39 @@ class DriftingCost:
     rows (plain's N, chain-1's 2N, a few windows each) one slow window tilts
     its slope.
 
-    At few rows the forward is not a line: on the deep target (AVX-512
-    Intel host, ``_dummy_run``) 1-5 rows cost 30-33 ms, 6-8 rows 35-38 ms
-    (+2 ms a row: oneDNN at tiny M), then ~0.6 ms a row again. The line
-    through the start-up probe reads ~0.55 ms a row there, so chain-4 at
-    batch 1 (5 rows) looked cheaper against chain-3 (4 rows) than it is.
-    :meth:`set_profile` takes the probe's seconds at each small row count
-    once, at start-up, as a fixed factor on the line (:meth:`shape`),
-    relative to the largest (16 rows from the runner); live forwards move
-    the line and the speed, never the factor (a factor learnt live could
-    keep an arm from running again after one unlucky window)."""
+    The forward is not a line: on the deep target (AVX-512 Intel host,
+    ``_dummy_run``, ``scripts/forward_by_rows.py``) 1-5 rows cost 30-33 ms,
+    6-8 rows 35-38 ms (+2 ms a row: oneDNN at tiny M), 16 rows ~51 ms, 32
+    ~68 ms (~1.1 ms a row), then ~0.55 ms a row up to 320 (83-86 ms at 64,
+    122-125 at 128, 190-195 at 256). A line through every probe point and
+    live forward reads ~0.8 ms a row, and at batch 16 put chain-1's forward
+    (32 rows) at 1.23x plain's (16 rows) where live forwards took 1.36x:
+    chain-1 was predicted 21% faster than plain there, and its full-batch
+    steps ran 13% faster (``scripts/bench_shapes.py --shape plain,chain-1
+    --batch 16 --requests 64``). The line through the start-up probe alone
+    reads ~0.55 ms a row at few rows, so chain-4 at batch 1 (5 rows) looked
+    cheaper against chain-3 (4 rows) than it is. :meth:`set_profile` takes
+    the probe's seconds at every row count the bandit predicts (the
+    runner's ``profile_sizes``) once, at start-up, as a fixed factor on the
+    line (:meth:`shape`), relative to the largest; live forwards move the
+    speed, and correct the factor only where the query rows have just
+    changed (:meth:`observe`). The dummy forward is not a decode
+    step (its rows are one-token requests with no context): at start-up it
+    put 32 rows at 1.24x 16 rows, twice, where live decode steps at batch
+    16 (16 requests of 1 and of 2 rows) took 1.32-1.36x."""
 
-    def __init__(self, window: int = 1024, speed_decay: float = 0.8):
+    def __init__(self, window: int = 1024, speed_decay: float = 0.8, learn: float = 0.2):
         self.line = LinearCost(window=window)
         self.speed = 1.0
         self.speed_decay = speed_decay
+        self.learn = learn  # step size of the factor's live correction (observe)
         self._profile_x: list[int] = []  # row counts with a shape factor (set_profile)
         self._profile_f: list[float] = []
+        self._last_x: float | None = None  # the last live decode forward's rows
 
     def set_profile(self, seconds: dict[int, float]) -> None:
-        """Small row counts' probe seconds (``{rows: seconds}``, e.g. the
-        least of a few timed forwards at each of 1..16 rows) as a fixed
+        """The probe's seconds by row count (``{rows: seconds}``, e.g. the
+        least of a few timed forwards at each row count) as a fixed
         factor on the line: made non-decreasing in rows (pooling adjacent
         violators: more rows never cost less, so a dip is noise), then
         taken relative to the largest row count given, where the factor is
@@ -161,32 +173,64 @@ class DriftingCost:
         self._profile_f = [y / ys[-1] * self.line(top) / self.line(x) for x, y in zip(xs, ys)]
 
     def profile(self) -> dict[int, float]:
-        """The factor at each row count :meth:`set_profile` was given (empty: none)."""
+        """The factor at each row count :meth:`set_profile` was given, live
+        corrections included (empty: none)."""
         return dict(zip(self._profile_x, self._profile_f))
 
-    def shape(self, x: float) -> float:
-        """The fixed factor on the line at ``x`` rows (1 without a profile)."""
-        xs, fs = self._profile_x, self._profile_f
-        if not xs or x >= xs[-1]:
-            return 1.0
+    def _knots(self, x: float) -> list[tuple[int, float]]:
+        """The profile's knots around ``x`` and their interpolation weights."""
+        xs = self._profile_x
+        if x >= xs[-1]:
+            return [(len(xs) - 1, 1.0)]
         if x <= xs[0]:
-            return fs[0]
+            return [(0, 1.0)]
         i = bisect.bisect_right(xs, x)
-        x0, x1 = xs[i - 1], xs[i]
-        w = (x - x0) / (x1 - x0)
-        return (1 - w) * fs[i - 1] + w * fs[i]
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return [(i - 1, 1.0 - w), (i, w)]
+
+    def shape(self, x: float) -> float:
+        """The factor on the line at ``x`` rows (1 without a profile; the
+        largest row count's above it)."""
+        if not self._profile_x:
+            return 1.0
+        return sum(w * self._profile_f[i] for i, w in self._knots(x))
 
     def observe(self, x: float, seconds: float, decode: bool = True,
                 anchor: bool = False) -> None:
         """A timed forward of ``x`` query rows; ``decode``: it has no prefill
         rows (others are ignored); ``anchor``: a start-up probe point, kept
-        in the line for good (:meth:`LinearCost.anchor`). A live forward
-        enters the line divided by :meth:`shape` (the line stays the
-        trend the profile is a factor on)."""
+        in the line for good (:meth:`LinearCost.anchor`). Live forwards
+        enter the line only while there is no profile: with one, the line
+        is the probe's, the profile its shape at every row count, and live
+        forwards move the speed (its level), and the factor as follows
+        (points piled at one row count, a steady batch on one arm, tilted
+        the line there, and with it the profile's ratios).
+
+        A live forward whose rows differ by over 20% from the last one's
+        (an arm changed: plain's N rows, chain-1's 2N) also corrects the
+        factor: the speed of the moment was set by the other rows, so
+        ``seconds / (speed x model)`` is how far the model's ratio between
+        the two is off, drift aside, and each knot around ``x`` moves by
+        ``learn`` x its weight of that (in log). Within a run of one row
+        count nothing is learnt (the speed follows the drift, and the factor
+        would take the forward's noise as a random walk): at a steady batch
+        on one arm the profile's ratios are kept."""
         if not decode:
             return
         shape = 1.0 if anchor else self.shape(x)
-        (self.line.anchor if anchor else self.line.observe)(x, seconds / shape)
+        fitted = self.line(x) * shape
+        if not anchor and self._profile_x and fitted > 0.0 and self._last_x is not None \
+                and not self._last_x / 1.2 <= x <= 1.2 * self._last_x:
+            step = self.learn * math.log(seconds / (self.speed * fitted))
+            for i, w in self._knots(x):
+                self._profile_f[i] *= math.exp(w * step)
+            shape = self.shape(x)
+        if not anchor:
+            self._last_x = x
+        if anchor:
+            self.line.anchor(x, seconds)
+        elif not self._profile_x:
+            self.line.observe(x, seconds)
         fitted = self.line(x) * shape
         if fitted > 0.0:
             self.speed = self.speed_decay * self.speed + (1 - self.speed_decay) * seconds / fitted
@@ -631,21 +675,27 @@ class ShapeBandit:
     in ``scripts/bench_paired.py --interleave`` cells on the same host,
     vLLM's K=2 ran 0.97x to 1.10x vanilla, with the bandit's chain-1
     windows 6-15% faster than its plain ones.)
-    So while the batch is in lockstep (:meth:`choose`) a speculative arm is
-    only chosen over plain when it is ``speculation_margin`` (10%) faster,
-    and with plain best no other arm is explored (one window of it would
-    break the lockstep the margin protects). Once the lockstep is gone
+    So while the batch is in lockstep (:meth:`choose`) the arms are ranked
+    by :meth:`lockstep_rate`, each speculative arm's rate over the work
+    still to do (the batch's tokens left and the requests queued behind
+    it) with that drain at its end, and with plain best no other arm is
+    explored (one window of it would break the lockstep). On the AVX-512
+    host, batch 16, 64 requests of 64 tokens (4 rounds), chain-1's
+    full-batch steps ran 13% faster than plain's and its whole run 2-4%
+    slower; its drain over 4 rounds takes ~6% off its rate, which leaves
+    it within the margin of plain. At batch 4, 8 rounds, chain-3 keeps
+    nearly all of its ~25% lead. Once the lockstep is gone
     (requests of different lengths, as a server's are, or broken already)
-    there is nothing left to lose: a speculative arm need only be
-    ``margin`` (2%) faster than plain, as between speculative arms (a
-    smaller difference may be noise).
+    there is nothing left to lose: arms are ranked by :meth:`rate`. Either
+    way a more speculative arm must be ``margin`` (2%) faster than the best
+    less speculative one (a smaller difference may be noise).
 
     Exploring costs throughput, so it is a local search over the arms in
     order of how much they speculate (plain < chain-1 < ... < chain-D <
     tree), along which the rate rises then falls:
 
     * a bucket not measured yet starts from the best arm of the nearest
-      measured bucket (else chain-1);
+      measured bucket (else chain-1; plain in lockstep);
     * while a neighbour of the bucket's best arm is unmeasured, it is tried
       (so the search walks uphill and stops at a peak), and so is the next
       arm past a neighbour measured within ``margin`` (2%) of the bar it
@@ -714,6 +764,7 @@ class ShapeBandit:
         self.accepted = [0.0] * max_depth  # ... and depth d accepted too
         self.current = "chain-1"
         self.lockstep = False  # whether the batch of the last choose() was in lockstep
+        self.horizon = 1.0  # its work left in rounds of the batch (choose)
         self._bucket = -1  # no window yet (every batch size is >= 0.75 octaves from it)
         # this window: [tokens, seconds, counted steps, requests] of its steps
         # without prefill rows ("clean") and of the others; and its steps so far
@@ -933,38 +984,74 @@ class ShapeBandit:
             return st[3] * self.chain_tokens(k) / st[1]
         return st[0] / st[1]
 
+    def lockstep_rate(self, bucket: int, arm: str) -> float | None:
+        """:meth:`rate`, over the work left to a batch in lockstep (``horizon``
+        rounds of it, :meth:`choose`) when that work ends in the drain
+        speculating leaves (the class docstring). Once requests finish one
+        by one and are replaced as they go, they soon finish at any step,
+        and the last round drains from N requests to 0 over about one
+        request's lifetime (L / tau steps; at batch 16 on this host, 4
+        rounds of 64 tokens on chain-1, 53 partial steps where a lifetime
+        was 41): its half-round of tokens is emitted at half the batch, in
+        L / tau steps of t(N / 2) where a full batch would take half as
+        many of t(N). Over H rounds the arm's steps then take
+        (L / tau) x (H t(N) + t(N / 2) - t(N) / 2) instead of
+        (L / tau) x H t(N), and the rate is ``rate x t(N) / (t(N) +
+        (t(N / 2) - t(N) / 2) / H)`` (L cancels; H taken as at least one
+        round, since a lockstep broken late still drains; one round that
+        speculates from its start drains less, so this leans to plain
+        there). t: :meth:`model_seconds`, with the forward at half the rows
+        (the time outside the forward and drafting hardly depends on the
+        batch: 3.7 ms a step at batch 1, 4.6 at 16, chain-1). Plain's own
+        rate (nothing to drain); an arm without a model: its rate over
+        ``1 + speculation_margin``."""
+        r = self.rate(bucket, arm)
+        if r is None or arm == "plain":
+            return r
+        t = self.model_seconds(bucket, arm)
+        if t is None:
+            return r / (1.0 + self.speculation_margin)
+        n = float(1 << bucket)
+        k = chain_length(arm)
+        tree = self._tree.get(bucket, {})
+        rows = n * (1 + k) if k is not None else n * tree["rows"]
+        ratio = 1.0 if k is not None else tree["ratio"]
+        half = t - ratio * (self.verify_cost(rows) - self.verify_cost(rows / 2))
+        return r * t / (t + max(half - 0.5 * t, 0.0) / max(self.horizon, 1.0))
+
+    def _ranked(self, bucket: int, arm: str) -> float | None:
+        """The rate arms are ranked by: :meth:`lockstep_rate` in lockstep,
+        else :meth:`rate`."""
+        return self.lockstep_rate(bucket, arm) if self.lockstep else self.rate(bucket, arm)
+
     def best(self, bucket: int) -> str | None:
-        """The bucket's fastest measured arm (None: nothing measured), in
-        order of how much they speculate, where a more speculative arm must
-        be faster than the best less speculative one by ``speculation_margin``
-        when that is plain and the batch is in lockstep, else by ``margin``
-        (see the class docstring)."""
+        """The bucket's fastest measured arm (None: nothing measured) by
+        :meth:`_ranked`, in order of how much they speculate, where a more
+        speculative arm must be ``margin`` faster than the best less
+        speculative one (see the class docstring)."""
         best, best_rate = None, 0.0
         for a in self.arms:
-            r = self.rate(bucket, a)
-            if r is not None and (best is None or r > (1.0 + self._margin(best)) * best_rate):
+            r = self._ranked(bucket, a)
+            if r is not None and (best is None or r > (1.0 + self.margin) * best_rate):
                 best, best_rate = a, r
         return best
 
-    def _margin(self, less: str) -> float:
-        """How much faster than ``less`` a more speculative arm must be."""
-        return self.speculation_margin if less == "plain" and self.lockstep else self.margin
-
     def _seed(self, bucket: int) -> str:
+        if self.lockstep:
+            return "plain"  # the one arm that keeps the lockstep (and measures the base)
         measured = sorted((abs(b - bucket), b) for b in self.stats if self.best(b) is not None)
         return self.best(measured[0][1]) if measured else "chain-1"
 
     def _gap(self, b: int, best: str, rival: str) -> float:
         """How much faster ``rival`` must get to replace ``best`` (a fraction;
-        0: it is there), the margins of :meth:`best` included: a speculative
-        arm measured 4% faster than plain is still 5% short of the 10% it
-        needs in lockstep (and each window of it costs the lockstep the margin
-        stands for)."""
-        r, rb = self.rate(b, rival), self.rate(b, best)
+        0: it is there) by :meth:`_ranked`, the margin of :meth:`best`
+        included (in lockstep, a speculative arm's drain too: each window of
+        it costs the lockstep)."""
+        r, rb = self._ranked(b, rival), self._ranked(b, best)
         if self.arms.index(rival) > self.arms.index(best):
-            bar = (1.0 + self._margin(best)) * rb
+            bar = (1.0 + self.margin) * rb
         else:
-            bar = rb / (1.0 + self._margin(rival))
+            bar = rb / (1.0 + self.margin)
         return max(1.0 - r / bar, 0.0)
 
     def _predicted(self, b: int, arm: str) -> bool:
@@ -1026,15 +1113,19 @@ class ShapeBandit:
             return n
         return best
 
-    def choose(self, batch_size: int, lockstep: bool = False) -> str:
+    def choose(self, batch_size: int, lockstep: bool = False, horizon: float = 1.0) -> str:
         """The arm for this step's drafts. ``lockstep``: whether the batch's
         requests would all finish in the same step under plain decoding (the
         class docstring); a window ends early when the batch gains it (a new
         round of prompts, prefilled together), so that a speculative arm
-        picked out of lockstep does not break it."""
+        picked out of lockstep does not break it. ``horizon``: in lockstep,
+        the work left in rounds of this batch (tokens left over each
+        request's ``max_tokens``, plus the requests waiting over the batch
+        size), over which :meth:`lockstep_rate` spreads the drain."""
         b = self._sticky_bucket(batch_size)
         gained = lockstep and not self.lockstep
         self.lockstep = lockstep
+        self.horizon = horizon
         if b == self._bucket and not gained and self._acc["clean"][2] < self.window - 1 \
                 and self._steps < 4 * self.window:
             self._steps += 1
@@ -1064,7 +1155,7 @@ class ShapeBandit:
                        "tokens": round(window[0], 2), "seconds": round(window[1], 5),
                        "steps": int(window[2])},
             "picked": self.current, "batch": 1 << b, "best": self.best(b),
-            "lockstep": self.lockstep,
+            "lockstep": self.lockstep, "horizon": round(self.horizon, 3) if self.lockstep else None,
             "rates": {a: None if r is None else round(r, 2) for a, r in rates.items()},
             "step_ms": {a: None if x is None else round(1e3 * x, 2) for a, x in seconds.items()},
             "chain_tokens": [round(self.chain_tokens(k), 3) for k in range(1, len(self.reached) + 1)],
