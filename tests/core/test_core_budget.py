@@ -771,7 +771,8 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
 
 def test_shape_bandit_keeps_plain_in_lockstep_and_picks_again_when_it_is_gained():
     """In lockstep with plain best, _pick explores nothing (not a neighbour
-    that is due, nor a chain never run in the bucket), where out of lockstep
+    that is due, nor a chain never run in the bucket) once a chain has a
+    rate (before that, chain-1, so that one does), where out of lockstep
     it does; and choose() ends a window early when the batch gains the
     lockstep, not when it loses it."""
     from vllm_eagle_tree.core.budget import ShapeBandit
@@ -781,7 +782,7 @@ def test_shape_bandit_keeps_plain_in_lockstep_and_picks_again_when_it_is_gained(
     bandit.lockstep = False
     assert bandit._pick(0) == "chain-1"  # an unmeasured neighbour of plain
     bandit.lockstep = True
-    assert [bandit._pick(0) for _ in range(20)] == ["plain"] * 20
+    assert bandit._pick(0) == "chain-1"  # no chain predicted at all yet: once, or never
     bandit.stats[0]["chain-1"] = [110.0, 1.0, 1, 110.0 / bandit.chain_tokens(1)]
     assert bandit.best(0) == "plain"
     assert [bandit._pick(0) for _ in range(20)] == ["plain"] * 20

@@ -695,7 +695,8 @@ class ShapeBandit:
     tree), along which the rate rises then falls:
 
     * a bucket not measured yet starts from the best arm of the nearest
-      measured bucket (else chain-1; plain in lockstep);
+      measured bucket (else chain-1; plain in lockstep, then chain-1 once
+      if no bucket has measured a chain's parts, so it can be predicted);
     * while a neighbour of the bucket's best arm is unmeasured, it is tried
       (so the search walks uphill and stops at a peak), and so is the next
       arm past a neighbour measured within ``margin`` (2%) of the bar it
@@ -1069,7 +1070,11 @@ class ShapeBandit:
         if best is None:
             return self._seed(b)
         if best == "plain" and self.lockstep:
-            return "plain"  # exploring would break the lockstep (class docstring)
+            # exploring would break the lockstep (class docstring), unless
+            # no chain is predicted at all yet (a fresh engine whose first
+            # batch is in lockstep): then chain-1 runs once, or it never would
+            return "chain-1" if "chain-1" in self.arms and self.rate(b, "chain-1") is None \
+                else "plain"
         i = self.arms.index(best)
         neighbours = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
         if "plain" not in neighbours and best != "plain":
