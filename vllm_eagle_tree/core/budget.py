@@ -682,9 +682,11 @@ class ShapeBandit:
     explored (one window of it would break the lockstep). On the AVX-512
     host, batch 16, 64 requests of 64 tokens (4 rounds), chain-1's
     full-batch steps ran 13% faster than plain's and its whole run 2-4%
-    slower; its drain over 4 rounds takes ~6% off its rate, which leaves
-    it within the margin of plain. At batch 4, 8 rounds, chain-3 keeps
-    nearly all of its ~25% lead. Once the lockstep is gone
+    slower; with that run's step times, its drain over 4 rounds takes ~6%
+    off its rate, which leaves it within the margin of plain (in the
+    interleaved benchmark the model's own figures put chain-2 above plain
+    at the first pick, and it ran). At batch 4, 8 rounds, the same
+    estimate keeps most of chain-3's lead (~27% to ~20%). Once the lockstep is gone
     (requests of different lengths, as a server's are, or broken already)
     there is nothing left to lose: arms are ranked by :meth:`rate`. Either
     way a more speculative arm must be ``margin`` (2%) faster than the best
