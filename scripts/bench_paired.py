@@ -32,6 +32,17 @@ engine's scheduler.
 
     .venv/bin/python scripts/bench_paired.py --interleave --rounds 10
 
+``--restart-every R`` (with ``--interleave``): all of a batch size's
+engines are stopped and started afresh every R rounds, each time created
+in the next order. An engine keeps its own level for its life (±5% from
+one engine to the next at batch 64, ``scripts/replay_forward.py``), so
+with one set of engines the pair's ratio carries those two engines'
+levels in every round, and the interval cannot show it; restarting
+samples it. The adaptive engine then starts from nothing at each restart,
+as a restarted server does.
+
+    .venv/bin/python scripts/bench_paired.py --interleave --restart-every 2 --rounds 8
+
 ``--output-len-spread S``: the timed requests' lengths are seeded draws in
 ``MAX_TOKENS x (1 +- S)``, the same for every method, as a server's
 requests differ; with fixed lengths (the default) requests that start
@@ -367,6 +378,11 @@ def main():
                     help="per batch size, start every method's engine once and keep them all "
                          "alive; a round is one timed cell of each, back to back (seconds "
                          "apart, not an engine start-up apart)")
+    ap.add_argument("--restart-every", type=int, default=0, metavar="R",
+                    help="with --interleave: start every engine afresh every R rounds, "
+                         "each time in the next creation order (default 0: never), so that "
+                         "an engine's own level (±5%% from one engine to the next) is "
+                         "sampled R rounds at a time instead of kept for the whole run")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-tokens-per-cell", type=int, default=2048)
     ap.add_argument("--output-len-spread", type=float, default=0.0, metavar="S",
@@ -387,6 +403,11 @@ def main():
             raise SystemExit(f"--out {out}: pooling would overwrite one of the --report inputs")
         report(out, pool([Path(r) for r in args.report]))
         return
+    if args.restart_every and not args.interleave:
+        raise SystemExit("--restart-every needs --interleave (without it every cell is a "
+                         "fresh engine already)")
+    if args.restart_every < 0:
+        raise SystemExit(f"--restart-every {args.restart_every}: want 0 (never) or more rounds")
     if args.rounds < 2:
         raise SystemExit("--rounds must be at least 2 (a confidence interval needs two)")
     chain_ks = parse_chain_ks(args.chain_ks, args.batch_sizes)
@@ -398,7 +419,8 @@ def main():
     results = {"command": " ".join(sys.argv), "rounds": args.rounds,
                "max_tokens": args.max_tokens, "min_tokens_per_cell": args.min_tokens_per_cell,
                "output_len_spread": args.output_len_spread,
-               "interleaved": args.interleave, "batch_sizes": {}}
+               "interleaved": args.interleave, "restart_every": args.restart_every,
+               "batch_sizes": {}}
     total = args.rounds * sum(len(chain_ks[b]) + 2 + len(args.shapes) for b in args.batch_sizes)
     done, t0 = 0, time.time()
     for bs in args.batch_sizes:
@@ -406,13 +428,20 @@ def main():
             + [(FORCED, s) for s in args.shapes]
         res = results["batch_sizes"].setdefault(str(bs), {"cells": {label(*s): [] for s in specs}})
         live = {}
-        if args.interleave:  # every engine started and warmed once, before round 1
-            for method, k in specs:
-                llm, spec = start_engine(target, method, k, log_stats=False)
-                counter = StepCounter(llm)
-                burst(llm, spec, bs, args.max_tokens, prompts, 0, counter)  # warm-up cell
-                live[(method, k)] = (llm, spec, counter)
         for r in range(args.rounds):
+            if args.interleave and (not live or (args.restart_every
+                                                 and r % args.restart_every == 0)):
+                # every engine (re)started and warmed before the round; a
+                # restart starts them in the next order (who is created first)
+                live.clear()
+                llm = spec = counter = None
+                gc.collect()
+                start = r // args.restart_every if args.restart_every else 0
+                for method, k in specs[start % len(specs):] + specs[:start % len(specs)]:
+                    llm, spec = start_engine(target, method, k, log_stats=False)
+                    counter = StepCounter(llm)
+                    burst(llm, spec, bs, args.max_tokens, prompts, 0, counter)  # warm-up cell
+                    live[(method, k)] = (llm, spec, counter)
             order = specs[r % len(specs):] + specs[:r % len(specs)]  # rotate who goes first
             for method, k in order:
                 if args.interleave:
