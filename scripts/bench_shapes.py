@@ -184,6 +184,7 @@ def compare_shapes(llm, runner, shapes, args, prompts, params):
                 bandit.tree_tokens(bucket, optimism) if shape == "tree" else \
                 None if k is None else bandit.chain_tokens(k, optimism=optimism)
         row["predicted_tok_s"] = bandit.rate(bucket, shape)
+        row["parts"] = run_parts([x for x in steps if x.get("shape") == shape], args.batch)
         table[shape] = row
         fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
         print(f"  {shape:8s} {row['tok_s']:6.1f} tok/s ({row['steps']} steps): step "
@@ -195,6 +196,14 @@ def compare_shapes(llm, runner, shapes, args, prompts, params):
               f"{fmt(row['predicted_tokens_per_request'], '{:.3f}')}, without optimism "
               f"{fmt(row['estimated_tokens_per_request'], '{:.3f}')}); predicted "
               f"{fmt(row['predicted_tok_s'])} tok/s")
+    print("where the runs' time went, per shape (all its rounds; the drain: steps at under "
+          "the full batch, its excess over their tokens at the full-batch steps' rate)")
+    for shape in shapes:
+        parts = table[shape]["parts"]
+        print(f"  {shape:8s} " + "; ".join(
+            f"{name} {p['steps']} steps {p['seconds']:.2f} s {p['tokens']} tokens"
+            for name, p in parts.items() if name != "drain_excess_s")
+            + f"; drain excess {parts['drain_excess_s']:.2f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(
             {"batch": args.batch, "requests": args.requests, "rounds": args.rounds,
@@ -202,6 +211,23 @@ def compare_shapes(llm, runner, shapes, args, prompts, params):
              "model": bandit.model_summary()}, indent=1) + "\n")
     if args.step_log:
         Path(args.step_log).write_text(json.dumps(steps) + "\n")
+
+
+def run_parts(steps: list[dict], batch: int) -> dict:
+    """Where a shape's runs went: its steps with the whole batch decoding
+    and no prompt rows ("full"), those with prompt rows ("prefill"), those
+    at fewer requests ("drain": the end of a burst, or a request that left
+    and was not yet replaced), each as steps, seconds and tokens, and the
+    drain's excess over its tokens at the full steps' rate (seconds)."""
+    groups = {"full": [x for x in steps if x["requests"] >= batch and x["prefill_rows"] == 0],
+              "prefill": [x for x in steps if x["prefill_rows"] > 0],
+              "drain": [x for x in steps if x["requests"] < batch and x["prefill_rows"] == 0]}
+    out = {name: {"steps": len(xs), "seconds": round(sum(x["seconds"] for x in xs), 3),
+                  "tokens": sum(x["emitted"] for x in xs)} for name, xs in groups.items()}
+    full, drain = out["full"], out["drain"]
+    rate = full["tokens"] / full["seconds"] if full["seconds"] > 0 else None
+    out["drain_excess_s"] = round(drain["seconds"] - drain["tokens"] / rate, 3) if rate else 0.0
+    return out
 
 
 def measured_row(steps: list[dict], runs: list[tuple[int, float]], shape: str,

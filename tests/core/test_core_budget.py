@@ -728,7 +728,9 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     steps) loses to plain when the batch is the last round or two and wins
     with 4 rounds queued (the horizon choose() is given); where the forward
     hardly grows with rows, a drain step costs nearly a full one, and one
-    round's drain takes a third off the rate."""
+    round's drain takes a third off the rate. The lockstep rate takes the
+    chain's tokens without the optimism rate() adds (a window breaks the
+    lockstep for good: nothing to learn by trying it)."""
     from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
 
     def bandit_at(bucket, a, b):
@@ -746,18 +748,29 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     t_half = 0.030 + 0.001 * n + 0.004 + 0.003  # half the batch: half the rows
     assert bandit.rate(4, "chain-1") == pytest.approx(n * tau / t_c1)
     assert 1.08 < bandit.rate(4, "chain-1") / bandit.rate(4, "plain") < 1.16
+    tau0 = bandit.chain_tokens(1, optimism=0.0)
+    assert tau0 < tau and bandit.rate(4, "chain-1", optimism=0.0) == pytest.approx(
+        n * tau0 / t_c1)
+    picks = []
+    bandit.trace = picks.append  # one record per pick: the first choose() below
     for H, best in ((1.0, "plain"), (2.0, "plain"), (4.0, "chain-1")):
         bandit.choose(n, lockstep=True, horizon=H)
         assert bandit.lockstep and bandit.horizon == H
-        seconds = (L / tau) * (H * t_c1 + t_half - t_c1 / 2)
+        if H == 1.0:  # the trace has the rates the arms were ranked by
+            assert len(picks) == 1 and picks[0]["lockstep"] and picks[0]["horizon"] == 1.0
+            assert picks[0]["lockstep_rates"]["chain-1"] == round(
+                bandit.lockstep_rate(4, "chain-1"), 2) < picks[0]["rates"]["chain-1"]
+            assert picks[0]["lockstep_rates"]["plain"] == picks[0]["rates"]["plain"]
+        seconds = (L / tau0) * (H * t_c1 + t_half - t_c1 / 2)
         assert bandit.lockstep_rate(4, "chain-1") == pytest.approx(H * n * L / seconds)
         assert bandit.lockstep_rate(4, "plain") == pytest.approx(n / t_plain)
         assert bandit.best(4) == best, H
     bandit.choose(n, lockstep=False)
     assert bandit.best(4) == "chain-1"  # out of lockstep: its full-step rate
+    assert bandit.trace_record("plain", 4, [0.0, 0.0, 0])["lockstep_rates"] is None
     # the horizon is at least one round (a lockstep broken late still drains)
     bandit.choose(n, lockstep=True, horizon=0.25)
-    seconds = (L / tau) * (t_c1 + t_half - t_c1 / 2)
+    seconds = (L / tau0) * (t_c1 + t_half - t_c1 / 2)
     assert bandit.lockstep_rate(4, "chain-1") == pytest.approx(n * L / seconds)
     # a flat forward (30 ms + 0.1 ms a row, batch 4)
     flat = bandit_at(2, 0.030, 0.0001)
@@ -765,8 +778,8 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     t_c1 = 0.030 + 0.0001 * 8 + 0.007
     t_half = t_c1 - 0.0001 * 4
     assert flat.lockstep_rate(2, "chain-1") == pytest.approx(
-        flat.rate(2, "chain-1") * t_c1 / (t_c1 + t_half - t_c1 / 2))
-    assert 0.66 < flat.lockstep_rate(2, "chain-1") / flat.rate(2, "chain-1") < 0.68
+        flat.rate(2, "chain-1", optimism=0.0) * t_c1 / (t_c1 + t_half - t_c1 / 2))
+    assert 0.66 < flat.lockstep_rate(2, "chain-1") / flat.rate(2, "chain-1", optimism=0.0) < 0.68
 
 
 def test_shape_bandit_keeps_plain_in_lockstep_and_picks_again_when_it_is_gained():
