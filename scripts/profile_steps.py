@@ -17,8 +17,13 @@ Shapes: vanilla, vllm-chain-K, an eagle2 8x4x2 adaptive engine with the
 shape bandit forced to plain, chain-K or tree (``free`` leaves it alone),
 or a fixed eagle2 tree ``fixed-NxDxK`` (e.g. fixed-16x4x4: N nodes, depth
 D, top-k K, no planner).
-Alternate shapes (A B A B) to see the machine's drift. Timers cost a few
-microseconds per call. Python's garbage collections are listed too
+Alternate shapes (A B A B) to see the machine's drift. ``--keep-alive``:
+one engine per distinct shape, all started (and warmed) before the first
+run and kept alive, as ``bench_paired.py --interleave`` has them:
+
+    .venv/bin/python scripts/profile_steps.py --keep-alive --batch 64 --requests 128 vanilla plain vanilla plain
+
+Timers cost a few microseconds per call. Python's garbage collections are listed too
 ("gc collections, gen N": they run inside whatever method allocates).
 """
 from __future__ import annotations
@@ -43,6 +48,7 @@ TREE_DRAFTER = ("draft", "_run", "_write_kv", "_draft_chain", "_logprobs")
 PLANNER = ("observe_acceptance", "observe_verify", "prune")
 BANDIT = ("choose", "observe", "observe_chain")
 VLLM_DRAFTER = ("propose",)
+SCHEDULER = ("schedule", "update_from_output")
 
 
 class Timers:
@@ -97,6 +103,9 @@ def main():
     ap.add_argument("shapes", nargs="+")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--keep-alive", action="store_true",
+                    help="start one engine per distinct shape first and keep them all alive "
+                         "(as bench_paired --interleave), then run the shapes in order")
     args = ap.parse_args()
     for shape in args.shapes:  # checked before any engine starts
         if shape.startswith("fixed-") and not re.fullmatch(r"fixed-\d+x\d+x\d+", shape):
@@ -104,7 +113,9 @@ def main():
 
     target = build(assets.DEEP_TARGET, extra_layers=60)
     prompts = assets.heldout_prompts()
-    for shape in args.shapes:
+
+    def start(shape):
+        """A warmed engine for ``shape`` with its runner's methods timed."""
         if shape == "vanilla":
             spec = None
         elif shape.startswith("vllm-chain-"):
@@ -113,9 +124,11 @@ def main():
             spec = speculative_config("eagle2-eagle3", shape[len("fixed-"):])
         else:
             spec = speculative_config("eagle2-eagle3", "8x4x2g")
+        # several live engines: no Prometheus loggers (vLLM's metrics
+        # registry is process-wide), as bench_paired --interleave
         llm = LLM(model=str(target), speculative_config=spec, dtype="float32",
-                  enforce_eager=True, max_model_len=1024, disable_log_stats=False, seed=0,
-                  max_num_seqs=64)
+                  enforce_eager=True, max_model_len=1024, disable_log_stats=args.keep_alive,
+                  seed=0, max_num_seqs=64)
         runner = _runner(llm)
         eagle2 = spec is not None and spec["method"] == "eagle2"
         if eagle2 and shape != "free" and not shape.startswith("fixed-"):
@@ -124,6 +137,7 @@ def main():
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         timers = Timers()
         timers.wrap(runner, RUNNER)
+        timers.wrap(_scheduler(llm), SCHEDULER, "scheduler.")
         if eagle2:
             timers.wrap(runner.tree_drafter, TREE_DRAFTER, "drafter.")
             if runner.tree_planner is not None:  # fixed trees have no planner or bandit
@@ -131,6 +145,9 @@ def main():
                 timers.wrap(runner.tree_bandit, BANDIT, "bandit.")
         elif spec is not None:
             timers.wrap(runner.drafter, VLLM_DRAFTER, "drafter.")
+        return llm, timers
+
+    def run(shape, llm, timers):
         timers.clear()
         _scheduler(llm).max_num_active_reqs = args.batch
         gc.callbacks.append(timers.gc_callback)
@@ -147,12 +164,31 @@ def main():
               f"{timers.calls.get('execute_model', 0)} engine steps, "
               f"{faults_after.ru_minflt - faults.ru_minflt} minor page faults, "
               f"{faults_after.ru_nivcsw - faults.ru_nivcsw} involuntary context switches")
+        # the wall time no timed method holds: engine-core output processing,
+        # the LLM's request and output bookkeeping
+        timed = sum(timers.seconds.get(k, 0.0) for k in
+                    ("execute_model", "sample_tokens", "scheduler.schedule",
+                     "scheduler.update_from_output"))
+        steps = max(timers.calls.get("execute_model", 0), 1)
+        timers.seconds["(outside the timed top-level methods)"] = dt - timed
+        timers.calls["(outside the timed top-level methods)"] = steps
         for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
             c = timers.calls[k]
-            print(f"   {k:30s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call")
-        del llm, runner
-        gc.collect()
+            print(f"   {k:38s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call")
 
+    if args.keep_alive:  # one engine per distinct shape, all alive, then the runs in order
+        live = {}
+        for shape in args.shapes:
+            if shape not in live:
+                live[shape] = start(shape)
+        for shape in args.shapes:
+            run(shape, *live[shape])
+    else:
+        for shape in args.shapes:
+            llm, timers = start(shape)
+            run(shape, llm, timers)
+            del llm, timers
+            gc.collect()
 
 if __name__ == "__main__":
     main()
