@@ -191,6 +191,23 @@ def test_goodput_probes_verify_cost_at_start_up(monkeypatch):
     assert all(0.0 < f < float("inf") for f in shape.values()), shape
 
 
+def test_goodput_probe_stays_within_max_model_len():
+    """max_num_seqs x (1 + max_depth) = 384 rows, over max_model_len: vLLM's
+    dummy run gives each of its requests a sequence as long as all its rows,
+    and its CPU attention read past the block table (a segfault at start-up,
+    with vLLM's default max_num_seqs and a short max_model_len). The probe
+    now stops at max_model_len."""
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
+            "max_depth": 5, "top_k": 5, "adaptive": True, "goodput": True}
+    llm = make_llm(speculative_config=spec, max_num_seqs=64, max_model_len=128)
+    try:
+        g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
+    finally:
+        free_llm(llm)
+    assert max(g["forward_shape"]) == 128
+    assert g["steps_timed"] == 2 * len([1, 2, 4, 8, 16, 32, 64, 128])
+
+
 
 def _set_skip_pattern(worker, period, hold):
     """Test hook: the shape bandit picks "plain" (no drafts) on all but every

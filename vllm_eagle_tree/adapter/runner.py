@@ -216,8 +216,11 @@ class TreeRunnerMixin:
     def probe_sizes(self) -> list[int]:
         """Query rows the start-up probe times: powers of two up to the most a
         decode step can verify as chains (max_num_seqs x (1 + max_depth)),
-        and that number."""
-        top = min(self.scheduler_config.max_num_batched_tokens,
+        and that number; never more than ``max_model_len``: vLLM 0.32's
+        ``_dummy_run`` gives each of its requests a sequence as long as all
+        its rows, and its CPU attention reads past the block table (a
+        segfault at start-up) when that exceeds the model length."""
+        top = min(self.scheduler_config.max_num_batched_tokens, self.max_model_len,
                   self.scheduler_config.max_num_seqs * (1 + self.eagle2.tree.max_depth))
         sizes = [1 << i for i in range(top.bit_length())]  # each <= top
         return sizes + ([top] if sizes[-1] != top else [])
