@@ -518,11 +518,15 @@ def test_goodput_needs_adaptive_and_a_bool(pair):
     assert C.Eagle2Settings.from_dict(settings.to_dict()) == settings
 
 
-def test_goodput_refused_with_tensor_parallelism(pair, target_configs):
+def test_goodput_accepted_with_tensor_parallelism(pair, target_configs):
+    """TP ranks learn rank 0's timings (runner ``_shared``), so goodput runs
+    under tensor parallelism (tests/adapter/test_eagle2_tp.py runs it)."""
     from vllm.config import ParallelConfig
 
     mc, _ = target_configs
     ea = engine_args(pair[0], speculative_config={"method": "eagle2", "model": pair[1],
                                                   "adaptive": True, "goodput": True})
-    with pytest.raises(ValueError, match=r'speculative_config\["goodput"\].*tensor parallel'):
-        ea.create_speculative_config(mc, ParallelConfig(tensor_parallel_size=2))
+    pc = ParallelConfig(tensor_parallel_size=2)
+    ea.create_speculative_config(mc, pc)
+    assert C.Eagle2Settings.from_dict(ea.additional_config[C.ADDITIONAL_CONFIG_KEY]).goodput
+    assert pc.worker_cls == "vllm_eagle_tree.adapter.worker.TreeCPUWorker"

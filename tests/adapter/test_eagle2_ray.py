@@ -218,10 +218,20 @@ def _remove_cpu_shm_segments(since: float) -> None:
             pass
 
 
+_VANILLA: dict[bool, dict] = {}
+
+
+def _vanilla(tmp_path_factory, ray_v2: bool) -> dict:
+    """TP=2 without speculation on the same Ray executor, run once per executor."""
+    if ray_v2 not in _VANILLA:
+        _VANILLA[ray_v2] = _run(tmp_path_factory.mktemp("ray_vanilla"), None, "vanilla", ray_v2)
+    return _VANILLA[ray_v2]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ray_v2", [True, False], ids=["RayExecutorV2", "RayDistributedExecutor"])
-def test_tp2_ray_identical_to_tp2_ray_without_speculation(tmp_path, ray_v2):
-    want = _run(tmp_path, None, "vanilla", ray_v2)
+def test_tp2_ray_identical_to_tp2_ray_without_speculation(tmp_path, tmp_path_factory, ray_v2):
+    want = _vanilla(tmp_path_factory, ray_v2)
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
             "max_depth": 5, "top_k": 5}
     got = _run(tmp_path, spec, "eagle2", ray_v2)
@@ -251,3 +261,28 @@ def test_tp2_ray_identical_to_tp2_ray_without_speculation(tmp_path, ray_v2):
     assert s0 == s1, "the two TP ranks verified different trees"
     assert s0["tree_requests"] > 0 and s0["nodes"] > 0, s0
     assert sum(s0["accepted_per_depth"]) > 0, s0
+
+
+@pytest.mark.slow
+def test_tp2_ray_goodput_ranks_learn_and_pick_alike(tmp_path, tmp_path_factory):
+    """"goodput" on vLLM's default Ray executor: each rank times its own
+    steps, and the runner makes both learn rank 0's timings, so both ranks
+    fit the same cost models, run the same shapes and prune the same trees
+    (different picks would send their draft forwards' collectives out of
+    step). Output identical to TP=2 without speculation."""
+    want = _vanilla(tmp_path_factory, True)
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 8,
+            "max_depth": 4, "top_k": 2, "adaptive": True, "goodput": True}
+    got = _run(tmp_path, spec, "goodput", True)
+    assert not got["leftover"], f"Ray processes left running: {got['leftover']}"
+    assert {w["worker"] for w in got["workers"]} == {"TreeCPUWorker"}
+    bad = [i for i, (a, b) in enumerate(zip(got["ids"], want["ids"])) if a != b]
+    assert len(got["ids"]) == len(want["ids"]) == 16
+    assert not bad, f"{len(bad)} of {len(want['ids'])} differ, first #{bad[0]}"
+    s0, s1 = got["stats"]
+    g0, g1 = s0["goodput"], s1["goodput"]
+    assert g0["forward_shape"] and g0["steps_timed"] > 0
+    assert g0 == g1, "the two TP ranks' goodput models differ"
+    assert s0 == s1, "the two TP ranks verified different trees"
+    ran = {a for arms in g0["arm_windows"].values() for a, n in arms.items() if n}
+    assert len(ran) > 1 and s0["tree_requests"] > 0, (g0["arm_windows"], s0)

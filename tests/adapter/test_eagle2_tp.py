@@ -1,7 +1,9 @@
 """eagle2 with tensor parallelism 2 on vLLM's `mp` executor (DESIGN.md 1):
 greedy output identical to TP=2 without speculation (TP=2 and TP=1 differ in
 the last bits, so the reference is TP=2 too). Both ranks draft and verify the
-same trees; the test also checks that both ranks' tree counters agree."""
+same trees; the tests also check that both ranks' tree counters agree, and
+with "goodput" that both learnt the same cost models and ran the same shapes
+(each rank times its own steps; the runner makes them learn rank 0's)."""
 from __future__ import annotations
 
 import json
@@ -47,14 +49,42 @@ def _run(tmp_path, spec):
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.fixture(scope="module")
+def tp2_vanilla(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("tp2_vanilla"), None)["ids"]
+
+
+def _check_identical(got, want):
+    bad = [i for i, (a, b) in enumerate(zip(got["ids"], want)) if a != b]
+    assert len(got["ids"]) == len(want)
+    assert not bad, f"{len(bad)} of {len(want)} differ, first #{bad[0]}"
+
+
 @pytest.mark.slow
-def test_tp2_mp_identical_to_tp2_without_speculation(tmp_path):
-    want = _run(tmp_path, None)["ids"]
+def test_tp2_mp_identical_to_tp2_without_speculation(tmp_path, tp2_vanilla):
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
             "max_depth": 5, "top_k": 5}
     got = _run(tmp_path, spec)
-    bad = [i for i, (a, b) in enumerate(zip(got["ids"], want)) if a != b]
-    assert not bad, f"{len(bad)} of {len(want)} differ, first #{bad[0]}"
+    _check_identical(got, tp2_vanilla)
     s0, s1 = got["stats"]
     assert s0 == s1, "the two TP ranks verified different trees"
     assert s0["tree_requests"] > 0 and sum(s0["accepted_per_depth"]) > 0
+
+
+@pytest.mark.slow
+def test_tp2_mp_goodput_ranks_learn_and_pick_alike(tmp_path, tp2_vanilla):
+    spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 8,
+            "max_depth": 4, "top_k": 2, "adaptive": True, "goodput": True}
+    got = _run(tmp_path, spec)
+    _check_identical(got, tp2_vanilla)
+    s0, s1 = got["stats"]
+    g0, g1 = s0["goodput"], s1["goodput"]
+    # the cost models are fitted on timings: equal only if both ranks learnt rank 0's
+    assert g0["forward_shape"] == g1["forward_shape"] and g0["forward_shape"]
+    assert g0["steps_timed"] == g1["steps_timed"] > 0
+    assert g0 == g1, "the two TP ranks' goodput models differ"
+    assert s0 == s1, "the two TP ranks verified different trees"
+    # the bandit ran more than one shape, and some of them drafted
+    ran = {a for arms in g0["arm_windows"].values() for a, n in arms.items() if n}
+    assert len(ran) > 1, g0["arm_windows"]
+    assert s0["tree_requests"] > 0, s0

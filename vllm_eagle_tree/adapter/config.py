@@ -43,8 +43,9 @@ key                 allowed values (default)   meaning
                                                verify the tree nodes that maximise
                                                expected tokens per second from live
                                                step timings and calibrated acceptance
-                                               (core/budget.py); tensor parallel size 1
-                                               only for now
+                                               (core/budget.py); under tensor
+                                               parallelism every rank learns rank 0's
+                                               timings, so all ranks pick alike
 ==================  =========================  ==========================================
 
 plus these vLLM ``SpeculativeConfig`` fields, passed through unchanged:
@@ -550,10 +551,6 @@ def wrap_create_speculative_config(original: Callable) -> Callable:
         finally:
             (self.speculative_config, self.spec_method, self.spec_model,
              self.spec_tokens) = saved
-        if settings.goodput and getattr(target_parallel_config, "tensor_parallel_size", 1) > 1:
-            raise _key_error("goodput", "is not supported with tensor parallelism yet: its "
-                                        "budget comes from each rank's own step timings, and "
-                                        "TP ranks must build identical trees")
         install_tree_runner(target_parallel_config, settings)  # the gate
         self.additional_config = _with_settings(self.additional_config, settings)
         return spec_config

@@ -105,6 +105,15 @@ def _masked_trees(step) -> list[int]:
             if any(p != i - 1 for i, p in enumerate(parents))]
 
 
+def _tensor_parallel_group():
+    """vLLM 0.32's tensor-parallel ``GroupCoordinator`` when it has more than
+    one rank (``vllm.distributed.parallel_state.get_tp_group``), else None."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return group if group.world_size > 1 else None
+
+
 class _TreeStep:
     """The tree requests of the step being executed."""
 
@@ -157,7 +166,12 @@ class TreeRunnerMixin:
         self._step_prefill_rows = 0            # its prefill rows
         self._step_decode_rows = 0             # its decoding requests' query rows
         self._step_draft = 0.0                 # seconds it spent drafting
+        self._step_drafted = False             # ... and whether it drafted at all
         self._step_forward: float | None = None  # seconds in the target forward
+        self._step_verify: tuple[int, int, bool] | None = None  # its (rows, tree rows, decode)
+        # vLLM's tensor-parallel group with more than one rank, else None: the
+        # goodput models then learn rank 0's timings on every rank (_shared)
+        self._tp_group = None
         self._draft_arm: str | None = None     # the bandit arm of the drafts being verified
         self._chain_steps = 0                  # verify steps since the last tree arm step
         self.tree_stats = {"steps": 0, "tree_requests": 0, "nodes": 0,
@@ -196,6 +210,7 @@ class TreeRunnerMixin:
             if name not in draft_layers
             and isinstance(getattr(m, "impl", None), TreeCPUAttentionImpl)]
         if self.eagle2.goodput:
+            self._tp_group = _tensor_parallel_group()
             self.tree_planner = GoodputPlanner(max_depth=self.eagle2.tree.max_depth)
             self.tree_bandit = ShapeBandit(max_depth=self.eagle2.tree.max_depth,
                                            verify_cost=self.tree_planner.forward_cost)
@@ -264,6 +279,9 @@ class TreeRunnerMixin:
         for _ in range(max(profile_repeats, repeats)):
             for n in sizes:
                 times[n].append(timed(n))
+        # every TP rank learns rank 0's times (_shared)
+        flat = iter(self._shared([x for n in sizes for x in times[n]]))
+        times = {n: [next(flat) for _ in times[n]] for n in sizes}
         for n in self.probe_sizes():
             for seconds in times[n][:repeats]:
                 planner.observe_verify(n, seconds, probe=True)
@@ -279,36 +297,72 @@ class TreeRunnerMixin:
             logger.warning("eagle2: requests using %s run without speculation (the tree "
                            "path does not support it yet)", what)
 
+    def _shared(self, values: list[float | None]) -> list[float | None]:
+        """``values`` as tensor-parallel rank 0 measured them, on every rank
+        (None stays None). The goodput models are deterministic, so TP ranks
+        that learn the same timings pick the same shape and prune the same
+        trees: their draft forwards (collectives inside) and tree attention
+        stay in lockstep. One broadcast of a few floats over the TP group's
+        CPU group; nothing without tensor parallelism."""
+        group = self._tp_group
+        if group is None:
+            return values
+        t = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
+        torch.distributed.broadcast(t, src=group.first_rank, group=group.cpu_group)
+        return [None if math.isnan(v) else v for v in t.tolist()]
+
+    def _learn_last_step(self, now: float, scheduler_output) -> None:
+        """Feed the goodput models the last engine step's timings: its target
+        forward and its drafting (planner), and the whole step (shape
+        bandit). They are measured during the step and learnt here, at the
+        start of the next one, all at once, after :meth:`_shared` has made
+        them rank 0's on every TP rank. Whether each is there depends only on
+        the schedule, the same on every rank.
+
+        Prefill chunks land in steps at random (as requests arrive) and cost
+        the same whatever the arm: the bandit counts steps without them while
+        there are any; otherwise their rows' share of the step (the
+        verify-cost model's per-row cost) is taken out. Only decoding
+        requests and the tokens they emit are counted."""
+        whole = None
+        if self._step_clock is not None and self._step_emitted > 0:
+            # The engine waits for requests only when none is running: if
+            # none of the last step's requests is scheduled in this one, it
+            # may have waited (a lull in a served load, the seconds between
+            # two offline batches) after its last step, so that step is
+            # timed to the end of its own sampling. (Counted, the step
+            # before the pause between two `vllm bench serve` runs put the
+            # chains' time outside the forward at ~2.4 s a step at batch 1,
+            # which batch 4 borrowed: it kept plain for the whole next run.)
+            ran_on = any(r in scheduler_output.num_scheduled_tokens for r in self._step_req_ids)
+            end = now if ran_on or self._step_end is None else self._step_end
+            whole = end - self._step_clock
+        forward = self._step_forward if self._step_verify is not None else None
+        draft = self._step_draft if self._step_drafted else None
+        if whole is None and forward is None and draft is None:
+            return
+        whole, forward, draft = self._shared([whole, forward, draft])
+        planner = self.tree_planner
+        if forward is not None:
+            rows, tree_rows, decode = self._step_verify
+            planner.observe_verify(rows, forward, tree_rows=tree_rows, decode=decode)
+        if draft is not None:
+            planner.observe_draft(draft)
+        if whole is not None:
+            prefill = planner.verify_cost.b * self._step_prefill_rows
+            self.tree_bandit.observe(self._step_emitted, max(whole - prefill, 0.1 * whole),
+                                     self._step_requests, prefill=self._step_prefill_rows > 0,
+                                     rows=self._step_decode_rows,
+                                     draft=0.0 if draft is None else draft, forward=forward)
+
     # ------------------------------------------------------- 1. positions
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self.tree_bandit is not None:  # the previous engine step, measured whole
-            # Prefill chunks land in steps at random (as requests arrive) and
-            # cost the same whatever the arm: the bandit counts steps without
-            # them while there are any; otherwise their rows' share of the
-            # step (the verify-cost model's per-row cost) is taken out. Only
-            # decoding requests and the tokens they emit are counted.
             now = time.perf_counter()
-            if self._step_clock is not None and self._step_emitted > 0:
-                # The engine waits for requests only when none is running:
-                # if none of the last step's requests is scheduled in this
-                # one, it may have waited (a lull in a served load, the
-                # seconds between two offline batches) after its last
-                # step, so that step is timed to the end of its own
-                # sampling. (Counted, the step before the pause between
-                # two `vllm bench serve` runs put the chains' time outside
-                # the forward at ~2.4 s a step at batch 1, which batch 4
-                # borrowed: it kept plain for the whole next run.)
-                ran_on = any(r in scheduler_output.num_scheduled_tokens
-                             for r in self._step_req_ids)
-                end = now if ran_on or self._step_end is None else self._step_end
-                seconds = end - self._step_clock
-                prefill = self.tree_planner.verify_cost.b * self._step_prefill_rows
-                self.tree_bandit.observe(self._step_emitted, max(seconds - prefill, 0.1 * seconds),
-                                         self._step_requests, prefill=self._step_prefill_rows > 0,
-                                         rows=self._step_decode_rows,
-                                         draft=self._step_draft, forward=self._step_forward)
+            self._learn_last_step(now, scheduler_output)
             self._step_clock, self._step_emitted, self._step_draft = now, 0, 0.0
-            self._step_forward = self._step_end = None
+            self._step_forward = self._step_end = self._step_verify = None
+            self._step_drafted = False
             self._step_req_ids = list(scheduler_output.num_scheduled_tokens)
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         step = _TreeStep()
@@ -382,9 +436,8 @@ class TreeRunnerMixin:
         tree_rows = sum(len(step.trees[b][0]) for b in step.masked)
         t = time.perf_counter()
         out = super()._model_forward(*args, **kwargs)
-        self._step_forward = time.perf_counter() - t
-        self.tree_planner.observe_verify(rows, self._step_forward, tree_rows=tree_rows,
-                                         decode=self._step_prefill_rows == 0)
+        self._step_forward = time.perf_counter() - t  # learnt next step (_learn_last_step)
+        self._step_verify = (rows, tree_rows, self._step_prefill_rows == 0)
         return out
 
     # --------------------------------------------------- 2. attention mask
@@ -656,8 +709,8 @@ class TreeRunnerMixin:
             reqs, hidden_states, aux_hidden_states, bt,
             req_ids=[self.input_batch.req_ids[q.batch_index] for q in reqs], arm=arm)
         if planner is not None and any(q.grow_tree for q in reqs):
-            self._step_draft = time.perf_counter() - t
-            planner.observe_draft(self._step_draft)
+            self._step_draft = time.perf_counter() - t  # learnt next step (_learn_last_step)
+            self._step_drafted = True
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
         for q, t in zip(reqs, trees):
             req_id = self.input_batch.req_ids[q.batch_index]
