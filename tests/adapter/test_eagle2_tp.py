@@ -1,9 +1,11 @@
 """eagle2 with tensor parallelism 2 on vLLM's `mp` executor (DESIGN.md 1):
 greedy output identical to TP=2 without speculation (TP=2 and TP=1 differ in
 the last bits, so the reference is TP=2 too). Both ranks draft and verify the
-same trees; the tests also check that both ranks' tree counters agree, and
-with "goodput" that both learnt the same cost models and ran the same shapes
-(each rank times its own steps; the runner makes them learn rank 0's)."""
+same trees; the tests also check that both ranks' tree counters agree, after
+a greedy and then a sampled batch (same accept decisions: no rank-dependent
+randomness), and with "goodput" that both learnt the same cost models and
+ran the same shapes (each rank times its own steps; the runner makes them
+learn rank 0's)."""
 from __future__ import annotations
 
 import json
@@ -28,8 +30,17 @@ SCRIPT = textwrap.dedent("""
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                             use_tqdm=False)
         stats = llm.collective_rpc("eagle2_stats") if spec else None
+        sampled = None
+        if spec:
+            # sampled: each rank draws its own random numbers, so the ranks'
+            # accept decisions agree only if they draw alike (half the
+            # requests with seeds of their own, half on the global generator)
+            params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, ignore_eos=True,
+                                     seed=i if i % 2 else None) for i in range(len(prompts))]
+            llm.generate(prompts, params, use_tqdm=False)
+            sampled = llm.collective_rpc("eagle2_stats")
         print("RESULT " + json.dumps({"ids": [list(o.outputs[0].token_ids) for o in outs],
-                                      "stats": stats}))
+                                      "stats": stats, "sampled_stats": sampled}))
 """)
 
 
@@ -60,6 +71,14 @@ def _check_identical(got, want):
     assert not bad, f"{len(bad)} of {len(want)} differ, first #{bad[0]}"
 
 
+def _check_sampled_ranks_agree(got):
+    """After the sampled batch both ranks still hold equal counters (and, with
+    goodput, equal models): same trees, same accept decisions."""
+    s0, s1 = got["sampled_stats"]
+    assert s0 == s1, "the two TP ranks accepted differently when sampling"
+    assert s0["tree_requests"] > got["stats"][0]["tree_requests"], "nothing verified sampling"
+
+
 @pytest.mark.slow
 def test_tp2_mp_identical_to_tp2_without_speculation(tmp_path, tp2_vanilla):
     spec = {"method": "eagle2", "model": str(assets.EAGLE1_HEAD), "num_nodes": 20,
@@ -69,6 +88,7 @@ def test_tp2_mp_identical_to_tp2_without_speculation(tmp_path, tp2_vanilla):
     s0, s1 = got["stats"]
     assert s0 == s1, "the two TP ranks verified different trees"
     assert s0["tree_requests"] > 0 and sum(s0["accepted_per_depth"]) > 0
+    _check_sampled_ranks_agree(got)
 
 
 @pytest.mark.slow
@@ -88,3 +108,4 @@ def test_tp2_mp_goodput_ranks_learn_and_pick_alike(tmp_path, tp2_vanilla):
     ran = {a for arms in g0["arm_windows"].values() for a, n in arms.items() if n}
     assert len(ran) > 1, g0["arm_windows"]
     assert s0["tree_requests"] > 0, s0
+    _check_sampled_ranks_agree(got)
