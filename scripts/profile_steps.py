@@ -25,11 +25,22 @@ run and kept alive, as ``bench_paired.py --interleave`` has them:
 
 Timers cost a few microseconds per call. Python's garbage collections are listed too
 ("gc collections, gen N": they run inside whatever method allocates).
+
+``--cprofile N``: also run cProfile inside the runner's step methods outside
+the target forward (``_prepare_inputs``, ``_build_attention_metadata``,
+``_sample``, ``propose_draft_token_ids``) and print each run's N functions
+of most cumulative time there (the forward itself is not profiled; the
+methods' timings then include the profiler's overhead):
+
+    .venv/bin/python scripts/profile_steps.py --batch 1 --requests 8 --cprofile 40 chain-2
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import os
 import re
 import resource
@@ -48,6 +59,7 @@ TREE_DRAFTER = ("draft", "_run", "_write_kv", "_draft_chain", "_logprobs")
 PLANNER = ("observe_acceptance", "observe_verify", "prune")
 BANDIT = ("choose", "observe", "observe_chain")
 VLLM_DRAFTER = ("propose",)
+PROFILED = ("_prepare_inputs", "_build_attention_metadata", "_sample", "propose_draft_token_ids")
 SCHEDULER = ("schedule", "update_from_output")
 
 
@@ -106,6 +118,9 @@ def main():
     ap.add_argument("--keep-alive", action="store_true",
                     help="start one engine per distinct shape first and keep them all alive "
                          "(as bench_paired --interleave), then run the shapes in order")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="cProfile the runner's step methods outside the forward and print "
+                         "the N functions of most cumulative time per run (0: off)")
     args = ap.parse_args()
     for shape in args.shapes:  # checked before any engine starts
         if shape.startswith("fixed-") and not re.fullmatch(r"fixed-\d+x\d+x\d+", shape):
@@ -136,6 +151,18 @@ def main():
                       others=("vanilla", "vllm-chain-K", "free", "fixed-NxDxK"))
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         timers = Timers()
+        if args.cprofile:  # inside the Timers' wrappers: the timers themselves are not profiled
+            timers.profile = cProfile.Profile()
+            for name in PROFILED:
+                f = getattr(runner, name)
+
+                def profiled(*a, _f=f, **k):
+                    timers.profile.enable()
+                    try:
+                        return _f(*a, **k)
+                    finally:
+                        timers.profile.disable()
+                setattr(runner, name, profiled)
         timers.wrap(runner, RUNNER)
         timers.wrap(_scheduler(llm), SCHEDULER, "scheduler.")
         if eagle2:
@@ -175,6 +202,12 @@ def main():
         for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
             c = timers.calls[k]
             print(f"   {k:38s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call")
+        if args.cprofile:
+            text = io.StringIO()
+            pstats.Stats(timers.profile, stream=text).sort_stats("cumulative").print_stats(
+                args.cprofile)
+            print(text.getvalue())
+            timers.profile = cProfile.Profile()
 
     if args.keep_alive:  # one engine per distinct shape, all alive, then the runs in order
         live = {}
