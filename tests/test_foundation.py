@@ -73,6 +73,35 @@ REGISTRY_SCRIPT = textwrap.dedent("""
 """)
 
 
+LOGGING_SCRIPT = textwrap.dedent("""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+    configure_logging(LoggingConfig())  # as vLLM's engine, core and workers do at start
+    from vllm_eagle_tree import plugin
+    from vllm_eagle_tree.adapter import cpu_tree_attention, runner
+    for module in (plugin, runner, cpu_tree_attention):
+        module.logger.info("eagle-tree line from %s", module.__name__)
+""")
+
+
+def test_plugin_logs_through_vllms_logging():
+    """The plugin's INFO lines (e.g. the goodput probe's result) come out
+    where vLLM's do, in its format, at vLLM's default level: the plugin's
+    loggers are children of vLLM's ``vllm`` logger. (A logger of its own
+    has no handler: its INFO lines were dropped.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
+    out = subprocess.run([sys.executable, "-P", "-c", LOGGING_SCRIPT], cwd=assets.ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if "eagle-tree line from" in ln]
+    assert len(lines) == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    for line, module in zip(lines, ("plugin", "runner", "cpu_tree_attention")):
+        # vLLM's format: (process) level date time [file:line] message
+        assert "INFO" in line.split(), line
+        assert "[<string>:" in line, line
+        assert line.endswith(f"vllm_eagle_tree.{'adapter.' if module != 'plugin' else ''}{module}")
+
+
 @pytest.mark.slow
 def test_register_runs_in_every_vllm_process(tmp_path):
     """Main process, EngineCore and each TP worker (mp executor) register."""

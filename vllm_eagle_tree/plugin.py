@@ -11,7 +11,9 @@ import functools
 import logging
 import os
 
-logger = logging.getLogger("vllm_eagle_tree")
+from vllm_eagle_tree import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 SUPPORTED_VLLM = (0, 32)
 """vLLM major.minor this plugin is written against (any 0.32.x patch)."""

@@ -41,6 +41,7 @@ from typing import Sequence
 
 import torch
 
+from vllm_eagle_tree import LOGGER_NAME
 from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
 
 __all__ = ["cpu_kv_views", "probe_cpu_kv_layout", "cpu_tree_attention", "cpu_compact_kv",
@@ -54,7 +55,7 @@ KNOWN_ISAS = ("vec", "vec16")
 """CPU_ATTN ISAs whose cache layout :func:`cpu_kv_views` decodes (measured)."""
 
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @functools.lru_cache(maxsize=None)

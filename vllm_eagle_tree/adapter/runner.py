@@ -38,6 +38,7 @@ import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from .. import LOGGER_NAME
 from ..core import TreeBatch, verify
 from ..core.budget import GoodputPlanner, ShapeBandit, chain_length, greedy_chain_acceptance
 from .attention import TREE_METADATA_ATTR, TreeAttention, TreeCPUAttentionImpl
@@ -45,7 +46,7 @@ from .config import Eagle2Settings
 from .cpu_tree_attention import cpu_compact_kv, load_cpu_tree_op, probe_cpu_kv_layout
 from .proposer import FirstPassRows, PendingRows, TreeDrafter, tree_from_cache
 
-logger = logging.getLogger("vllm_eagle_tree")
+logger = logging.getLogger(LOGGER_NAME)
 
 __all__ = ["TreeRunnerMixin", "TreeCPUModelRunner", "tree_fallback_reason"]
 
@@ -273,6 +274,7 @@ class TreeRunnerMixin:
 
         planner = self.tree_planner
         sizes = self.profile_sizes()
+        began = time.perf_counter()
         for n in sizes:
             timed(n)  # warm
         times: dict[int, list[float]] = {n: [] for n in sizes}
@@ -286,8 +288,10 @@ class TreeRunnerMixin:
             for seconds in times[n][:repeats]:
                 planner.observe_verify(n, seconds, probe=True)
         planner.forward_cost.set_profile({n: min(ts) for n, ts in times.items()})
-        logger.info("eagle2 goodput: verify cost %.2f ms + %.3f ms per query row (start-up "
-                    "probe); forward shape at %s rows: %s", 1e3 * planner.verify_cost.a,
+        logger.info("eagle2 goodput: start-up probe of %d forwards took %.1f s; verify cost "
+                    "%.2f ms + %.3f ms per query row; forward shape at %s rows: %s",
+                    len(sizes) * (1 + max(profile_repeats, repeats)),
+                    time.perf_counter() - began, 1e3 * planner.verify_cost.a,
                     1e3 * planner.verify_cost.b, ",".join(map(str, sizes)),
                     " ".join(f"{planner.forward_cost.shape(n):.3f}" for n in sizes))
 
