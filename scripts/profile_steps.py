@@ -40,8 +40,8 @@ import argparse
 import cProfile
 import gc
 import io
-import pstats
 import os
+import pstats
 import re
 import resource
 import sys

@@ -290,7 +290,7 @@ class TreeRunnerMixin:
         planner.forward_cost.set_profile({n: min(ts) for n, ts in times.items()})
         logger.info("eagle2 goodput: start-up probe of %d forwards took %.1f s; verify cost "
                     "%.2f ms + %.3f ms per query row; forward shape at %s rows: %s",
-                    len(sizes) * (1 + max(profile_repeats, repeats)),
+                    len(sizes) + sum(map(len, times.values())),  # the warm sweep + the timed
                     time.perf_counter() - began, 1e3 * planner.verify_cost.a,
                     1e3 * planner.verify_cost.b, ",".join(map(str, sizes)),
                     " ".join(f"{planner.forward_cost.shape(n):.3f}" for n in sizes))
