@@ -361,43 +361,55 @@ def plan_budget(accept_prob: torch.Tensor, num_requests: int, verify_cost: Linea
     """Best number of candidate nodes to verify for the batch.
 
     ``accept_prob``: calibrated acceptance probability of every candidate node
-    (any order). Verifying the top ``n`` costs ``verify_cost(num_requests + n)``
-    plus ``draft_seconds`` when ``n > 0`` and is expected to emit
-    ``num_requests + sum(top n probabilities)`` tokens. ``n = 0`` is plain
-    decoding.
+    (any order; NaN counts as 0). Verifying the top ``n`` costs
+    ``verify_cost(num_requests + n)`` plus ``draft_seconds`` when ``n > 0``
+    and is expected to emit ``num_requests + sum(top n probabilities)``
+    tokens. ``n = 0`` is plain decoding; of equal rates the smallest budget
+    wins. (Python floats, not tensor ops: a step's candidates are a few
+    dozen, and each op costs ~5 us on a CPU host.)
     """
-    p = torch.sort(accept_prob.reshape(-1).float(), descending=True).values
+    p = sorted((0.0 if math.isnan(x) else x for x in accept_prob.reshape(-1).tolist()),
+               reverse=True)
     if max_nodes is not None:
         p = p[:max_nodes]
-    cum = torch.cat([torch.zeros(1), torch.cumsum(p.cpu(), 0)])
-    n = torch.arange(cum.numel(), dtype=torch.float32)
-    seconds = verify_cost.a + verify_cost.b * (num_requests + n) + (n > 0).float() * draft_seconds
-    tokens = num_requests + cum
-    rate = tokens / seconds.clamp(min=1e-12)
-    best = int(torch.argmax(rate))  # first maximum: the smallest budget among equals
-    return BudgetPlan(num_nodes=best, tokens=float(tokens[best]), seconds=float(seconds[best]),
-                      tokens_per_second=float(rate[best]))
+    a, b = verify_cost.a, verify_cost.b
+    tokens = float(num_requests)
+    best = (0, tokens, a + b * num_requests)
+    best_rate = tokens / max(best[2], 1e-12)
+    for n, q in enumerate(p, start=1):
+        tokens += q
+        seconds = a + b * (num_requests + n) + draft_seconds
+        rate = tokens / max(seconds, 1e-12)
+        if rate > best_rate:
+            best, best_rate = (n, tokens, seconds), rate
+    return BudgetPlan(num_nodes=best[0], tokens=best[1], seconds=best[2],
+                      tokens_per_second=best_rate)
+
+
+def _greedy_paths(cu: list[int], parent: list[int], value: list[float]) -> list[bool]:
+    """Per packed node: whether it is on its request's greedy path (the
+    child of highest value at every depth, the first one on ties)."""
+    on = [False] * len(parent)
+    best: dict[int, int] = {}  # packed node -> its best child
+    for s, e in zip(cu, cu[1:]):
+        for i in range(s + 1, e):
+            p = s + parent[i]
+            if p not in best or value[i] > value[best[p]]:
+                best[p] = i
+        cur = s
+        on[cur] = True
+        while cur in best:
+            cur = best[cur]
+            on[cur] = True
+    return on
 
 
 def best_chains(tree: TreeBatch) -> torch.Tensor:
     """bool [total]: each request's greedy path (root, then at every depth the
     child of highest path value, the first one on ties): the chain a chain
     drafter would have proposed."""
-    total = tree.total
-    gp = tree.global_parent.long()
-    value = tree.value.float()
-    has_parent = gp >= 0
-    idx = torch.arange(total)
-    best_value = torch.full((total,), -math.inf).scatter_reduce(
-        0, gp[has_parent], value[has_parent], "amax")
-    is_best = has_parent & (value == best_value[gp.clamp(min=0)])
-    first = torch.full((total,), total, dtype=torch.long).scatter_reduce(
-        0, gp[is_best], idx[is_best], "amin")
-    is_best &= idx == first[gp.clamp(min=0)]
-    on_chain = ~has_parent
-    for _ in range(int(tree.depth.max()) if total else 0):
-        on_chain = on_chain | (is_best & on_chain[gp.clamp(min=0)])
-    return on_chain
+    return torch.tensor(_greedy_paths(tree.cu_nodes.tolist(), tree.parent.tolist(),
+                                      tree.value.tolist()), dtype=torch.bool)
 
 
 def greedy_chain_acceptance(tree: TreeBatch, num_accepted: torch.Tensor,
@@ -407,18 +419,15 @@ def greedy_chain_acceptance(tree: TreeBatch, num_accepted: torch.Tensor,
     its nodes the accepted path covers (both are root paths, so the covered
     nodes are the chain's first ones). ``accepted_nodes`` [B, >= max
     accepted]: request-local indices, as ``core.verify`` returns them."""
-    on_chain = best_chains(tree)
-    req = tree.request_index.long()
-    drafted = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
-        0, req, on_chain.long()) - 1
-    hit = torch.zeros(tree.total, dtype=torch.bool)
-    cu = tree.cu_nodes.long()
+    cu = tree.cu_nodes.tolist()
+    on = _greedy_paths(cu, tree.parent.tolist(), tree.value.tolist())
+    nodes = accepted_nodes.tolist()
+    drafted, covered = [], []
     for b, n in enumerate(num_accepted.reshape(-1).tolist()):
-        if n:
-            hit[cu[b] + accepted_nodes[b, :n].long()] = True
-    covered = torch.zeros(tree.num_requests, dtype=torch.long).index_add_(
-        0, req, (hit & on_chain).long())
-    return drafted.tolist(), covered.tolist()
+        s, e = cu[b], cu[b + 1]
+        drafted.append(sum(on[s:e]) - 1)
+        covered.append(sum(on[s + i] for i in nodes[b][:n]))
+    return drafted, covered
 
 
 def prune_to_top(tree: TreeBatch, keep: int,
@@ -447,12 +456,14 @@ def prune_to_top(tree: TreeBatch, keep: int,
     if allowed is not None:
         keep = min(keep, int((allowed & ~is_root).sum()))
         score = torch.where(allowed | is_root, score, torch.full_like(score, -math.inf))
-    order = sorted(range(total), key=lambda i: (-float(score[i]), i))
-    kept = torch.zeros(total, dtype=torch.bool)
-    kept[order[: tree.num_requests + keep]] = True
-    parents, tokens, values, ctx = [], [], [], []
+    s = score.tolist()
+    order = sorted(range(total), key=lambda i: (-s[i], i))
+    kept = [False] * total
+    for i in order[: tree.num_requests + keep]:
+        kept[i] = True
+    parents, tokens, values = [], [], []
     cu = tree.cu_nodes.tolist()
-    par = tree.parent.tolist()
+    par, tok, val = tree.parent.tolist(), tree.token.tolist(), tree.value.tolist()
     for b in range(tree.num_requests):
         local = [i for i in range(cu[b], cu[b + 1]) if kept[i]]
         new_index = {g - cu[b]: j for j, g in enumerate(local)}
@@ -463,8 +474,8 @@ def prune_to_top(tree: TreeBatch, keep: int,
                 raise AssertionError("prune_to_top: kept a node without its parent")
             p_b.append(-1 if p < 0 else new_index[p])
         parents.append(p_b)
-        tokens.append([int(tree.token[g]) for g in local])
-        values.append([float(tree.value[g]) for g in local])
+        tokens.append([tok[g] for g in local])
+        values.append([val[g] for g in local])
     return TreeBatch.from_parents(parents, tokens, tree.context_len.tolist(), values)
 
 

@@ -33,6 +33,7 @@ exactly EAGLE-2): ``depth_threshold`` (per-request depth), ``width_mass``
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -179,13 +180,6 @@ class Expansion:
     num_steps: int
 
 
-def _order(valid: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Per-row order: valid first, then value descending, then index ascending."""
-    idx = torch.sort(value, dim=-1, descending=True, stable=True).indices
-    v = torch.gather(valid, -1, idx)
-    return torch.gather(idx, -1, torch.sort((~v).to(torch.int8), dim=-1, stable=True).indices)
-
-
 def _width_mask(logq: torch.Tensor, width_mass: float) -> torch.Tensor:
     """Children kept by the width rule; ``logq`` [..., k] sorted descending.
 
@@ -235,9 +229,13 @@ def expand_tree_detailed(
     Returns:
         An :class:`Expansion` holding the :class:`TreeBatch`, best-value first.
 
-    Shapes are fixed (B*k frontier rows per step, B*num_candidates candidate
-    buffers). Host syncs: one per depth (stop early once no request has a
-    valid frontier node) and one for the packed size at the end.
+    The draft's distributions stay tensors (top-k, path values in float32);
+    the candidates, a few per request and depth, are ranked and linked in
+    Python lists: at the batch sizes where trees pay, each tensor op costs
+    ~5 us on a CPU host and the bookkeeping, as fixed-shape tensor ops, took
+    ~0.9 ms a tree at batch 1, more than the head's forward. Frontiers keep a
+    fixed shape (B*k rows, with a validity mask). Host reads: the top-k of
+    each depth.
     """
     cfg = config
     device = root_logprobs.device
@@ -253,42 +251,55 @@ def expand_tree_detailed(
     if context_len is None:
         context_len = torch.zeros(B, dtype=torch.int32, device=device)
     context_len = context_len.reshape(-1).to(device=device, dtype=torch.int32)
-    map_tok = (lambda t: t) if token_map is None else (lambda t: token_map.to(device)[t])
     min_logp = math.log(cfg.min_path_prob) if cfg.min_path_prob > 0 else -math.inf
     depth_logp = math.log(cfg.depth_threshold) if cfg.depth_threshold > 0 else -math.inf
 
-    def logprobs_of(x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x.masked_fill(torch.isnan(x), -math.inf)  # keeps -inf as is
-
-    def propose(logp: torch.Tensor, parent_value: torch.Tensor, parent_valid: torch.Tensor):
-        """Top-k children of each row: tokens, values, validity."""
-        top = torch.topk(logp, k, dim=-1)
+    def propose(logp: torch.Tensor, parent_value: torch.Tensor):
+        """Top-k children of each row: tokens, values, whether the width
+        and path-probability rules keep them (lists shaped as ``logp[..., :k]``)."""
+        logp = logp.float()
+        top = torch.topk(logp.masked_fill(torch.isnan(logp), -math.inf), k, dim=-1)
         logq = top.values.clamp(max=0.0)  # a child never outranks its parent
         value = parent_value.unsqueeze(-1) + logq
-        valid = parent_valid.unsqueeze(-1) & _width_mask(logq, cfg.width_mass)
+        ok = _width_mask(logq, cfg.width_mass)
         if cfg.min_path_prob > 0:
-            valid &= value >= min_logp
-        return map_tok(top.indices), value, valid
+            ok = ok & (value >= min_logp)
+        tok = top.indices if token_map is None else token_map.to(device)[top.indices]
+        return tok.tolist(), value.tolist(), ok.tolist()
 
-    # Candidate buffers, fixed size: k at depth 1, then k*k per depth, in
-    # generation order (depth, frontier index, child rank).
-    C = cfg.num_candidates
-    c_token = torch.zeros(B, C, dtype=torch.int64, device=device)
-    c_value = torch.full((B, C), -math.inf, dtype=torch.float32, device=device)
-    c_valid = torch.zeros(B, C, dtype=torch.bool, device=device)
-    c_parent = torch.full((B, C), -1, dtype=torch.int64, device=device)  # candidate idx, -1 = root
-    c_depth = torch.zeros(B, C, dtype=torch.int32, device=device)
-    c_slot = torch.full((B, C), -1, dtype=torch.int64, device=device)
-    rows = torch.arange(B, device=device).unsqueeze(1)
+    # Candidates per request, in generation order (depth, frontier index,
+    # child rank): token, path value, valid, parent candidate (-1: the root),
+    # depth, draft slot (-1: never run through the draft).
+    c_token: list[list[int]] = [[] for _ in range(B)]
+    c_value: list[list[float]] = [[] for _ in range(B)]
+    c_valid: list[list[bool]] = [[] for _ in range(B)]
+    c_parent: list[list[int]] = [[] for _ in range(B)]
+    c_depth: list[list[int]] = [[] for _ in range(B)]
+    c_slot: list[list[int]] = [[] for _ in range(B)]
+
+    def add(b: int, toks, vals, oks, parent: int, parent_valid: bool, depth: int) -> None:
+        c_token[b].extend(toks)
+        c_value[b].extend(vals)
+        c_valid[b].extend(parent_valid and ok for ok in oks)
+        c_parent[b].extend([parent] * len(toks))
+        c_depth[b].extend([depth] * len(toks))
+        c_slot[b].extend([-1] * len(toks))
+
+    def best_candidates(b: int, n: int, start: int = 0, valid_only: bool = False) -> list[int]:
+        """Request b's ``n`` best candidates from ``start`` on: valid first,
+        then value descending, then generation order."""
+        val, ok = c_value[b], c_valid[b]
+        cands = range(start, len(val))
+        if valid_only:
+            return heapq.nsmallest(n, (c for c in cands if ok[c]), key=lambda c: (-val[c], c))
+        return heapq.nsmallest(n, cands, key=lambda c: (not ok[c], -val[c], c))
 
     # Depth 1: the root's children.
-    tok, val, ok = propose(logprobs_of(root_logprobs),
-                           torch.zeros(B, device=device),
-                           torch.ones(B, dtype=torch.bool, device=device))
-    c_token[:, :k], c_value[:, :k], c_valid[:, :k] = tok, val, ok
-    c_depth[:, :k] = 1
-    seg_start, seg_len = 0, k
+    tok, val, ok = propose(root_logprobs, torch.zeros(B, device=device))
+    for b in range(B):
+        add(b, tok[b], val[b], ok[b], -1, True, 1)
+    seg_start = 0
+    ctx = context_len.tolist()
 
     # Ancestor masks over draft slots, grown by k columns per depth.
     anc = torch.zeros(B, k, 0, dtype=torch.bool, device=device)
@@ -296,86 +307,79 @@ def expand_tree_detailed(
     num_steps = 0
     for d in range(1, cfg.max_depth):
         # Frontier: the top-k depth-d candidates of each request.
-        seg = slice(seg_start, seg_start + seg_len)
-        pick = _order(c_valid[:, seg], c_value[:, seg])[:, :k]  # [B, k] within segment
-        cand = pick + seg_start
-        f_valid = c_valid[rows, cand]
-        f_value = c_value[rows, cand]
-        # Depth rule: a request whose best frontier value is below the threshold stops.
-        best = torch.where(f_valid, f_value, -math.inf).max(dim=1).values
-        f_valid = f_valid & (best >= depth_logp).unsqueeze(1)
-        if not bool(f_valid.any()):
+        cand = [best_candidates(b, k, seg_start) for b in range(B)]
+        f_valid = [[c_valid[b][c] for c in cand[b]] for b in range(B)]
+        for b in range(B):  # depth rule: a request whose best frontier value is too low stops
+            best = max((c_value[b][c] for c, v in zip(cand[b], f_valid[b]) if v), default=-math.inf)
+            if not best >= depth_logp:
+                f_valid[b] = [False] * k
+        if not any(any(v) for v in f_valid):
             break
-        if d == 1:
-            f_parent = torch.zeros(B, k, dtype=torch.int64, device=device)
-            anc = eye.clone()
-        else:
-            # A valid node's parent was a valid node of the previous frontier,
-            # so its row there holds the parent's ancestors-or-self.
-            f_parent = pick // k  # index in the previous frontier
-            anc = torch.cat([torch.gather(anc, 1, f_parent.unsqueeze(-1).expand(-1, -1, anc.shape[2])),
-                             eye], dim=2)
-            anc[:, :, :-k] &= f_valid.unsqueeze(-1)  # invalid rows: own slot only
-        c_slot[rows, cand] = torch.where(
-            f_valid, torch.arange(k, device=device) + (d - 1) * k, c_slot[rows, cand])
+        # index in the previous frontier (0 at depth 1: the root)
+        parent = torch.tensor([[0 if d == 1 else (c - seg_start) // k for c in cand[b]]
+                               for b in range(B)], dtype=torch.int64, device=device)
+        valid = torch.tensor(f_valid, dtype=torch.bool, device=device)
+        # A valid node's parent was a valid node of the previous frontier,
+        # so its row there holds the parent's ancestors-or-self; invalid
+        # rows see their own slot only.
+        anc = torch.cat([torch.gather(anc, 1, parent.unsqueeze(-1).expand(-1, -1, anc.shape[2]))
+                         & valid.unsqueeze(-1), eye], dim=2)
+        for b in range(B):
+            for j, c in enumerate(cand[b]):
+                if f_valid[b][j]:
+                    c_slot[b][c] = (d - 1) * k + j
+        f_value = torch.tensor([[c_value[b][c] for c in cand[b]] for b in range(B)],
+                               dtype=torch.float32, device=device)
         frontier = Frontier(
-            depth=d, tokens=torch.where(f_valid, c_token[rows, cand], 0), valid=f_valid, parent=f_parent,
-            positions=context_len.long().unsqueeze(1) + d + torch.zeros_like(f_parent),
+            depth=d,
+            tokens=torch.tensor([[c_token[b][c] if v else 0 for c, v in zip(cand[b], f_valid[b])]
+                                 for b in range(B)], dtype=torch.int64, device=device),
+            valid=valid, parent=parent,
+            positions=(context_len.long() + d).unsqueeze(1).expand(B, k).clone(),
             values=f_value, ancestor_mask=anc)
-        logp = logprobs_of(step_fn(frontier))
+        logp = step_fn(frontier)
         num_steps += 1
         if logp.shape[:2] != (B, k):
             raise ValueError(f"step_fn must return [B, k, V]=[{B}, {k}, V], got {tuple(logp.shape)}")
-        tok, val, ok = propose(logp, f_value, f_valid)  # [B, k, k]
-        seg_start, seg_len = seg_start + seg_len, k * k
-        seg = slice(seg_start, seg_start + seg_len)
-        c_token[:, seg] = tok.reshape(B, -1)
-        c_value[:, seg] = val.reshape(B, -1)
-        c_valid[:, seg] = ok.reshape(B, -1)
-        c_parent[:, seg] = cand.repeat_interleave(k, dim=1)
-        c_depth[:, seg] = d + 1
+        tok, val, ok = propose(logp, f_value)  # [B][k][k]
+        seg_start = len(c_value[0])
+        for b in range(B):
+            for j, c in enumerate(cand[b]):
+                add(b, tok[b][j], val[b][j], ok[b][j], c, f_valid[b][j], d + 1)
 
-    # Rerank: per-request order (valid, value desc, index asc); keep the top N.
-    order = _order(c_valid, c_value)  # [B, C]
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(C, device=device).expand(B, C))
-    keep = c_valid & (rank < cfg.num_nodes)
+    # Rerank: per request (valid, value desc, generation order); keep the top N.
+    kept = [best_candidates(b, cfg.num_nodes, valid_only=True) for b in range(B)]
     if cfg.batch_num_nodes is not None:
         # One budget for the batch: global order (value desc, request, index).
-        flat_keep, flat_val = keep.reshape(1, -1), c_value.reshape(1, -1)
-        g_order = _order(flat_keep, flat_val)[0]
-        g_rank = torch.empty_like(g_order)
-        g_rank[g_order] = torch.arange(B * C, device=device)
-        keep = keep & (g_rank < cfg.batch_num_nodes).view(B, C)
+        flat = sorted(((b, c) for b in range(B) for c in kept[b]),
+                      key=lambda bc: (-c_value[bc[0]][bc[1]], bc[0], bc[1]))
+        chosen = set(flat[:cfg.batch_num_nodes])
+        kept = [[c for c in kept[b] if (b, c) in chosen] for b in range(B)]
 
     # Kept candidates in per-request order become nodes 1..; node 0 is the root.
-    kept_sorted = torch.gather(keep, 1, order)
-    # local[b, c]: node index (1, 2, ...) of kept candidate c of request b.
-    local = torch.full((B, C), -1, dtype=torch.int64, device=device)
-    local.scatter_(1, order, torch.where(kept_sorted, torch.cumsum(kept_sorted, 1), -1))
-    sizes = (keep.sum(1) + 1).to(torch.int32)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.cumsum(sizes, 0)
-    total = int(cu[-1])
-
-    # Gather kept candidates in (request, order) sequence.
-    sel_b, sel_pos = kept_sorted.nonzero(as_tuple=True)
-    sel_c = order[sel_b, sel_pos]                              # candidate index
-    par_c = c_parent[sel_b, sel_c]
-    par_local = torch.where(par_c >= 0, local[sel_b, par_c.clamp(min=0)], 0)
-    dst = cu.long()[sel_b] + local[sel_b, sel_c]               # packed index
-    roots = cu.long()[:-1]
-
-    token = torch.empty(total, dtype=torch.int64, device=device)
-    parent = torch.empty(total, dtype=torch.int32, device=device)
-    depth = torch.empty(total, dtype=torch.int32, device=device)
-    value = torch.empty(total, dtype=torch.float32, device=device)
-    draft_slot = torch.full((total,), -1, dtype=torch.int64, device=device)
-    token[roots], parent[roots], depth[roots], value[roots] = root_tokens, -1, 0, 0.0
-    token[dst] = c_token[sel_b, sel_c]
-    parent[dst] = par_local.to(torch.int32)
-    depth[dst] = c_depth[sel_b, sel_c]
-    value[dst] = c_value[sel_b, sel_c]
-    draft_slot[dst] = c_slot[sel_b, sel_c]
-    tree = TreeBatch(cu, token, parent, depth, value, context_len.clone())
-    return Expansion(tree=tree, draft_slot=draft_slot, num_steps=num_steps)
+    roots = root_tokens.tolist()
+    token, parent, depth, value, draft_slot, cu = [], [], [], [], [], [0]
+    for b in range(B):
+        local = {c: i for i, c in enumerate(kept[b], start=1)}
+        token.append(roots[b])
+        parent.append(-1)
+        depth.append(0)
+        value.append(0.0)
+        draft_slot.append(-1)
+        for c in kept[b]:
+            token.append(c_token[b][c])
+            parent.append(local.get(c_parent[b][c], 0))
+            depth.append(c_depth[b][c])
+            value.append(c_value[b][c])
+            draft_slot.append(c_slot[b][c])
+        cu.append(len(token))
+    tree = TreeBatch(
+        cu_nodes=torch.tensor(cu, dtype=torch.int32, device=device),
+        token=torch.tensor(token, dtype=torch.int64, device=device),
+        parent=torch.tensor(parent, dtype=torch.int32, device=device),
+        depth=torch.tensor(depth, dtype=torch.int32, device=device),
+        value=torch.tensor(value, dtype=torch.float32, device=device),
+        context_len=context_len.clone())
+    return Expansion(tree=tree,
+                     draft_slot=torch.tensor(draft_slot, dtype=torch.int64, device=device),
+                     num_steps=num_steps)
