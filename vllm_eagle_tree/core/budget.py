@@ -336,9 +336,24 @@ class ValueCalibration:
         self.accepted.index_put_((d, b), accepted.float(), accumulate=True)
 
     def calibrate(self, value: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        d, b = self._bins(value, depth)
-        prior = (value.float().exp() * self.ratio).clamp(0, 1)
-        return ((self.accepted[d, b] + self.prior * prior) / (self.seen[d, b] + self.prior)).clamp(0, 1)
+        """float32: estimated acceptance of nodes of these path values and depths."""
+        return torch.tensor(self.calibrated(value.tolist(), depth.tolist()), dtype=torch.float32)
+
+    def calibrated(self, value: list[float], depth: list[int]) -> list[float]:
+        """:meth:`calibrate` on Python lists (a tree's few nodes: no tensor ops
+        but reading the two tables; NaN values give NaN)."""
+        seen, accepted = self.seen.tolist(), self.accepted.tolist()
+        ratio, w, top_d, top_b = self.ratio, self.prior, self.max_depth - 1, self.num_bins - 1
+        out = []
+        for v, dd in zip(value, depth):
+            if math.isnan(v):
+                out.append(math.nan)
+                continue
+            d = min(max(int(dd) - 1, 0), top_d)
+            b = min(max(math.floor(-v / self.bin_width), 0), top_b) if v > -math.inf else top_b
+            prior = min(max(math.exp(v) * ratio, 0.0), 1.0)
+            out.append(min(max((accepted[d][b] + w * prior) / (seen[d][b] + w), 0.0), 1.0))
+        return out
 
     def table(self) -> list[list[float | None]]:
         """Estimated acceptance per [depth][bin] (None: no observation yet)."""
@@ -578,14 +593,16 @@ class GoodputPlanner:
     def accept_prob(self, tree: TreeBatch, req_ids=None) -> torch.Tensor:
         """float [total]: each node's estimated acceptance probability (calibrated,
         times its request's factor, never above its parent's; roots 1)."""
-        rf = self._request_factors(req_ids, tree.num_requests)
-        p = (self.calibration.calibrate(tree.value, tree.depth)
-             * rf[tree.request_index.long()]).clamp(0, 1)
-        p = torch.where(tree.parent < 0, torch.ones_like(p), p)
-        gp = tree.global_parent.long()
-        for _ in range(int(tree.depth.max()) if tree.total else 0):
-            p = torch.minimum(p, torch.where(gp >= 0, p[gp.clamp(min=0)], p))
-        return p
+        rf = [1.0] * tree.num_requests if req_ids is None else \
+            [self.request_factor.get(r, 1.0) for r in req_ids]
+        cu, par = tree.cu_nodes.tolist(), tree.parent.tolist()
+        q = self.calibration.calibrated(tree.value.tolist(), tree.depth.tolist())
+        p = [1.0] * len(par)
+        for b, (s, e) in enumerate(zip(cu, cu[1:])):
+            for i in range(s + 1, e):  # parents first
+                x = min(max(q[i] * rf[b], 0.0), 1.0)
+                p[i] = x if math.isnan(x) or x <= p[s + par[i]] else p[s + par[i]]
+        return torch.tensor(p, dtype=torch.float32)
 
     def prune(self, tree: TreeBatch, other_rows: int = 0, req_ids=None) -> TreeBatch:
         """``tree`` cut to the best budget; ``other_rows``: query rows of the
