@@ -54,8 +54,9 @@ class TreeBatch:
     A batch is never modified in place: its derived shapes and indices
     (``total``, ``sizes``, ``request_index``, ``global_parent``, ...) are
     computed once, on first use, and shared by every caller (read only). At
-    a handful of nodes each is a few tensor ops of ~5 us on a CPU, and one
-    verify step of the runner asked for them ~40 times.
+    a handful of nodes each is a few tensor ops of ~5 us on a CPU, and the
+    runner, the verifier and KV compaction each ask for them again within one
+    step.
     """
 
     cu_nodes: torch.Tensor

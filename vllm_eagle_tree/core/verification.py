@@ -13,6 +13,7 @@ and :func:`walk_trees` define the semantics the kernel must match.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -175,34 +176,33 @@ def walk_trees(draws: torch.Tensor, tree: TreeBatch) -> VerifyResult:
 
     ``draws``: int [total], one draw per node. From ``cur = root``, while a
     child c of cur has ``token[c] == draws[cur]``, accept c. Child tokens are
-    distinct, so at most one child matches.
+    distinct, so at most one child matches. (A walk over Python lists: a
+    step's trees are a few nodes each, and per-depth tensor ops cost more
+    than the walk on a CPU host.)
     """
     B, T = tree.num_requests, tree.total
     device = tree.token.device
-    draws = draws.to(device=device, dtype=torch.int64).reshape(T)
-    gpar = tree.global_parent
-    is_child = gpar >= 0
-    match = is_child & (tree.token == draws[gpar.clamp(min=0)])
-    # next_node[g]: the child of node g whose token equals draws[g], or -1.
-    next_node = torch.full((T,), -1, dtype=torch.int64, device=device)
-    hits = torch.nonzero(match).squeeze(1)
-    next_node[gpar[hits]] = hits
-    roots = tree.cu_nodes[:-1].long()
+    draw = draws.reshape(T).tolist()
+    cu, par, tok = tree.cu_nodes.tolist(), tree.parent.tolist(), tree.token.tolist()
     D = tree.max_depth
-    cur = roots.clone()
-    nodes = torch.full((B, D), -1, dtype=torch.int64, device=device)
-    tokens = torch.full((B, D), -1, dtype=torch.int64, device=device)
-    for d in range(D):
-        nxt = next_node[cur]
-        ok = nxt >= 0
-        nodes[:, d] = torch.where(ok, nxt - roots, -1)
-        tokens[:, d] = torch.where(ok, tree.token[nxt.clamp(min=0)], -1)
-        cur = torch.where(ok, nxt, cur)
+    nodes = [[-1] * D for _ in range(B)]
+    tokens = [[-1] * D for _ in range(B)]
+    num, bonus = [0] * B, [0] * B
+    for b in range(B):
+        s, e = cu[b], cu[b + 1]
+        child = {(par[g], tok[g]): g - s for g in range(s + 1, e)}  # (parent, token) -> node
+        cur, n = 0, 0
+        while (cur, draw[s + cur]) in child:
+            cur = child[(cur, draw[s + cur])]
+            nodes[b][n], tokens[b][n] = cur, tok[s + cur]
+            n += 1
+        num[b], bonus[b] = n, draw[s + cur]
+    as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=device)
     return VerifyResult(
-        num_accepted=(nodes >= 0).sum(1),
-        accepted_nodes=nodes,
-        accepted_tokens=tokens,
-        bonus_token=draws[cur],
+        num_accepted=as_tensor(num),
+        accepted_nodes=as_tensor(nodes).reshape(B, D),
+        accepted_tokens=as_tensor(tokens).reshape(B, D),
+        bonus_token=as_tensor(bonus),
     )
 
 
