@@ -433,6 +433,21 @@ def test_value_calibration_learns_acceptance_per_depth_and_value_bin():
     assert cal.table()[0][2] == pytest.approx(0.8)
 
 
+def test_value_calibration_bins_minus_infinity_with_the_lowest_values():
+    """A path value of -inf (a draft probability that underflowed) is learned
+    and read in the lowest-value bin, the one of the very unlikely nodes, both
+    when observed and when estimated (a float-to-int cast of inf once put it
+    in an arbitrary bin)."""
+    from vllm_eagle_tree.core.budget import ValueCalibration
+
+    cal = ValueCalibration(max_depth=2, decay=1.0)
+    top = cal.num_bins - 1
+    cal.observe([-math.inf, -math.inf], [1, 1], [True, False])
+    assert cal.seen[0, top] == 2 and cal.accepted[0, top] == 1 and float(cal.seen.sum()) == 2
+    # -100 nats shares the bin: its estimate moves with what -inf taught
+    assert cal.calibrated([-math.inf, -100.0], [1, 1]) == pytest.approx([1 / 3, 1 / 3])
+
+
 def test_calibration_uses_the_drafted_path_values_and_skips_unknown_ones():
     """Verified trees carry the path values they were drafted with, and the
     nodes on the accepted path are the ones counted as accepted; a chain

@@ -320,20 +320,28 @@ class ValueCalibration:
         """Overall accepted / raw draft probability (1 before any observation)."""
         return (self.total_accepted + 1.0) / (self.total_predicted + 1.0)
 
-    def _bins(self, value: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = (depth.long() - 1).clamp(0, self.max_depth - 1)
-        b = (-value.float() / self.bin_width).floor().long().clamp(0, self.num_bins - 1)
+    def _bin(self, v: float, dd: int) -> tuple[int, int]:
+        """(depth row, value bin) of a node; -inf falls in the lowest-value bin."""
+        d = min(max(int(dd) - 1, 0), self.max_depth - 1)
+        b = self.num_bins - 1 if v == -math.inf else \
+            min(max(math.floor(-v / self.bin_width), 0), self.num_bins - 1)
         return d, b
 
-    def observe(self, value: torch.Tensor, depth: torch.Tensor, accepted: torch.Tensor) -> None:
-        """One step's verified nodes: path values, depths (>= 1), accepted (bool)."""
+    def observe(self, value, depth, accepted) -> None:
+        """One step's verified nodes: path values, depths (>= 1), accepted (bool);
+        tensors or Python lists. (Binned with tensor ops, as :meth:`_bin` does:
+        a constant dozen ops whatever the batch.)"""
+        value = torch.as_tensor(value, dtype=torch.float32)
+        depth = torch.as_tensor(depth, dtype=torch.int64)
+        accepted = torch.as_tensor(accepted, dtype=torch.float32)
         self.seen *= self.decay
         self.accepted *= self.decay
-        self.total_accepted = self.decay * self.total_accepted + float(accepted.float().sum())
-        self.total_predicted = self.decay * self.total_predicted + float(value.float().exp().sum())
-        d, b = self._bins(value, depth)
+        self.total_accepted = self.decay * self.total_accepted + float(accepted.sum())
+        self.total_predicted = self.decay * self.total_predicted + float(value.exp().sum())
+        d = (depth - 1).clamp(0, self.max_depth - 1)
+        b = (-value / self.bin_width).floor().clamp(0, self.num_bins - 1).long()  # -inf: last
         self.seen.index_put_((d, b), torch.ones(d.numel()), accumulate=True)
-        self.accepted.index_put_((d, b), accepted.float(), accumulate=True)
+        self.accepted.index_put_((d, b), accepted, accumulate=True)
 
     def calibrate(self, value: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """float32: estimated acceptance of nodes of these path values and depths."""
@@ -343,14 +351,13 @@ class ValueCalibration:
         """:meth:`calibrate` on Python lists (a tree's few nodes: no tensor ops
         but reading the two tables; NaN values give NaN)."""
         seen, accepted = self.seen.tolist(), self.accepted.tolist()
-        ratio, w, top_d, top_b = self.ratio, self.prior, self.max_depth - 1, self.num_bins - 1
+        ratio, w = self.ratio, self.prior
         out = []
         for v, dd in zip(value, depth):
             if math.isnan(v):
                 out.append(math.nan)
                 continue
-            d = min(max(int(dd) - 1, 0), top_d)
-            b = min(max(math.floor(-v / self.bin_width), 0), top_b) if v > -math.inf else top_b
+            d, b = self._bin(v, dd)
             prior = min(max(math.exp(v) * ratio, 0.0), 1.0)
             out.append(min(max((accepted[d][b] + w * prior) / (seen[d][b] + w), 0.0), 1.0))
         return out
@@ -571,24 +578,26 @@ class GoodputPlanner:
         factor (so requests whose drafts the target keeps accepting, such as
         code, earn larger trees than requests it keeps rejecting). Nodes with
         unknown path values (NaN) are skipped."""
-        drafted = (tree.parent >= 0) & ~torch.isnan(tree.value)
-        if not bool(drafted.any()):
+        cu, par = tree.cu_nodes.tolist(), tree.parent.tolist()
+        val, dep = tree.value.tolist(), tree.depth.tolist()
+        acc = num_accepted.reshape(-1).tolist()
+        paths = accepted_nodes.tolist()
+        hit = {cu[b] + n for b, path in enumerate(paths) for n in path[:int(acc[b])]}
+        req = [b for b in range(len(cu) - 1) for _ in range(cu[b], cu[b + 1])]
+        drafted = [g for g in range(len(par)) if par[g] >= 0 and not math.isnan(val[g])]
+        if not drafted:
             return
-        acc = num_accepted.reshape(-1).long()
-        hit = torch.zeros(tree.total, dtype=torch.bool)
-        nodes = accepted_nodes.long()
-        on_path = torch.arange(nodes.shape[1]).unsqueeze(0) < acc.unsqueeze(1)  # [B, D]
-        hit[(tree.cu_nodes[:-1].long().unsqueeze(1) + nodes)[on_path]] = True
-        p = self.calibration.calibrate(tree.value[drafted], tree.depth[drafted])
+        value, depth = [val[g] for g in drafted], [dep[g] for g in drafted]
         if req_ids is not None:
-            per_req = torch.zeros(tree.num_requests).index_add_(
-                0, tree.request_index[drafted].long(), p.float())
-            for r, n, pr in zip(req_ids, acc.tolist(), per_req.tolist()):
+            per_req = [0.0] * (len(cu) - 1)
+            for g, p in zip(drafted, self.calibration.calibrated(value, depth)):
+                per_req[req[g]] += p
+            for r, n, pr in zip(req_ids, acc, per_req):
                 if pr > 1e-6:
                     ratio = min(max(n / pr, 0.05), 20.0)
                     old = self.request_factor.get(r, 1.0)
                     self.request_factor[r] = self.decay * old + (1 - self.decay) * ratio
-        self.calibration.observe(tree.value[drafted], tree.depth[drafted], hit[drafted])
+        self.calibration.observe(value, depth, [g in hit for g in drafted])
 
     def accept_prob(self, tree: TreeBatch, req_ids=None) -> torch.Tensor:
         """float [total]: each node's estimated acceptance probability (calibrated,
