@@ -196,6 +196,11 @@ def compare_shapes(llm, runner, shapes, args, prompts, params):
               f"{fmt(row['predicted_tokens_per_request'], '{:.3f}')}, without optimism "
               f"{fmt(row['estimated_tokens_per_request'], '{:.3f}')}); predicted "
               f"{fmt(row['predicted_tok_s'])} tok/s")
+    cost = bandit.verify_cost
+    print(f"bandit forward model now: {1e3 * cost.a:.1f} ms + {1e3 * cost.b:.3f} ms per row "
+          f"(speed {getattr(cost, 'speed', 1.0):.3f}), shape factor by rows "
+          + json.dumps({k: round(v, 3) for k, v in getattr(cost, 'profile', dict)().items()}))
+    print("bandit model:", json.dumps(bandit.model_summary()))
     print("where the runs' time went, per shape (all its rounds; the drain: steps at under "
           "the full batch, its excess over their tokens at the full-batch steps' rate)")
     for shape in shapes:
