@@ -583,12 +583,12 @@ class GoodputPlanner:
         acc = num_accepted.reshape(-1).tolist()
         paths = accepted_nodes.tolist()
         hit = {cu[b] + n for b, path in enumerate(paths) for n in path[:int(acc[b])]}
-        req = [b for b in range(len(cu) - 1) for _ in range(cu[b], cu[b + 1])]
         drafted = [g for g in range(len(par)) if par[g] >= 0 and not math.isnan(val[g])]
         if not drafted:
             return
         value, depth = [val[g] for g in drafted], [dep[g] for g in drafted]
         if req_ids is not None:
+            req = tree.request_index.tolist()
             per_req = [0.0] * (len(cu) - 1)
             for g, p in zip(drafted, self.calibration.calibrated(value, depth)):
                 per_req[req[g]] += p
