@@ -1271,6 +1271,77 @@ def test_shape_bandit_ranks_the_tree_on_pooled_acceptance_not_its_last_windows()
     assert bandit.best(0) == "tree"
 
 
+def test_shape_bandit_re_measures_a_tree_first_measured_on_an_unlucky_prompt():
+    """Batch 1 (AVX2 host, ``bench_paired.py --restart-every 1``): a fresh
+    engine ran the tree in its first windows (the first prompt, the
+    planner's warm-up), where it added little over its greedy chain; after
+    that chain-2 led and the tree, a neighbour only of chain-4, never ran
+    again (3 of 929 windows), predicted 15% under chain-2 where pinned it
+    ran level with it. While a chain leads, a measured tree is a standing
+    rival (as plain is), re-measured when its squared gap's turn comes.
+    Here the tree, 14% faster than the best chain over the text, first
+    runs on a prompt on which it adds nothing: the old code never ran it
+    again in 400 windows; now it is re-measured and becomes the best."""
+    from collections import Counter
+
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit, chain_length
+
+    cost = LinearCost(a=0.030, b=0.001)
+    bandit = ShapeBandit(max_depth=4, window=4, verify_cost=cost)
+    # (the greedy chain's accepted length of its 3 drafts, the tree's accepted length)
+    text = [(2, 3), (0, 1), (1, 2), (3, 4)]
+    first = [(1, 1), (0, 0), (2, 2), (1, 1)]  # the first prompt: the tree adds nothing
+
+    def parts(arm):  # query rows, forward, drafting, other seconds
+        k = chain_length(arm)
+        if arm == "tree":
+            return 7, 1.1 * cost(7), 0.006, 0.003
+        return (1 + k, cost(1 + k), 0.0015 * k, 0.002) if k else (1, cost(1), 0.0, 0.002)
+
+    def accepted(arm, chain, tree):
+        k = chain_length(arm)
+        return min(chain, k) if k else tree if arm == "tree" else 0
+
+    def true_rate(arm):
+        rows, fwd, draft, other = parts(arm)
+        tokens = 1 + sum(accepted(arm, c, t) for c, t in text) / len(text)
+        return tokens / (fwd + draft + other)
+
+    best_chain = max((a for a in bandit.arms if chain_length(a)), key=true_rate)
+    assert true_rate("tree") > 1.1 * true_rate(best_chain)
+    forced = ["chain-2", "tree", "tree"]
+    picks, n, predicted = [], 0, None
+    for w in range(400):
+        if w < len(forced):
+            bandit._pick = lambda b, arm=forced[w]: arm
+        elif w == len(forced):
+            del bandit._pick
+        arm = bandit.choose(1)
+        if w == len(forced):
+            predicted = bandit.rate(0, "tree") / bandit.rate(0, best_chain)
+        picks.append(arm)
+        for s in range(4):  # the first observation is the previous arm's: not counted
+            if s:
+                bandit.choose(1)
+            chain, tree = (first if w < len(forced) else text)[n % 4]
+            n += 1
+            k = chain_length(arm) or (3 if arm == "tree" else 0)
+            if k:
+                bandit.observe_chain(drafted=[k], accepted=[min(chain, k)])
+            if arm == "tree":
+                bandit.observe_tree(drafted=[3], covered=[chain], accepted=[tree])
+            rows, fwd, draft, other = parts(arm)
+            bandit.observe(tokens=1 + accepted(arm, chain, tree), seconds=fwd + draft + other,
+                           requests=1, rows=rows, draft=draft, forward=fwd)
+    bandit.choose(1)  # closes the last window
+    assert predicted < 0.9  # after the first prompt, the tree looked >10% slower
+    later = Counter(picks[len(forced):])
+    assert later["tree"] > 20, later
+    assert picks[-10:] == ["tree"] * 10, picks[-10:]
+    assert bandit.best(0) == "tree"
+    assert bandit.rate(0, "tree") == pytest.approx(true_rate("tree"), rel=0.05)
+
+
 def test_shape_bandit_keeps_each_chains_drafting_at_the_speed_it_was_measured():
     """Chain-3 measured while the machine runs at its usual speed, then
     chain-4 while it is 25% slower: both lengths' drafting is predicted at

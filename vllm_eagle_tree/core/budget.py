@@ -751,6 +751,9 @@ class ShapeBandit:
       a nearby bucket's) and always re-measured like a neighbour (at batch
       16 a run started from chain-2, measured chain-1 slower in a slow
       moment and never tried plain, the fastest there);
+    * while a chain is best, a tree measured in the bucket is a neighbour
+      too (otherwise only chain-D's: at batch 1 a tree measured on a fresh
+      engine's first prompt was never run again once chain-2 led);
     * once the best arm has run in the bucket, a neighbouring chain that
       has never run there (the model predicts it from query rows and
       drafting depths the bucket has not run, or, next to plain, from
@@ -1135,6 +1138,18 @@ class ShapeBandit:
             if self.rate(b, "plain") is None:
                 return "plain"
             neighbours.append("plain")
+        if chain_length(best) is not None and "tree" not in neighbours \
+                and self.rate(b, "tree") is not None:
+            # while a chain leads, a tree measured in the bucket is a rival
+            # too: its rate rests on its own few windows (its forward ratio,
+            # rows, drafting, what it adds over its greedy chain), while the
+            # chains share one pooled model. Otherwise reached only through
+            # chain-D, it ran in a fresh engine's first windows (planner
+            # warm-up, the first prompt's text) and never again once chain-2
+            # led: at batch 1 (AVX2, bench_paired.py --restart-every 1) 3 of
+            # 929 windows, predicted 15% under chain-2, where pinned it ran
+            # -4% to +3% of chain-2. (Its re-measurements wait by its gap.)
+            neighbours.append("tree")
         for step in (-1, 1):  # walk on past arms within `margin` of their bar (noise)
             j = i + step
             while 0 <= j < len(self.arms):
