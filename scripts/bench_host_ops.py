@@ -7,7 +7,12 @@ attention reads, the greedy walk that verifies, and the calibration update.
 This times each on synthetic trees (a random draft distribution stands in
 for the head, so no model is loaded), at batch 1 (the 8x4x2 tree the
 benchmarks run) and at batch 64 (60-node trees), single-threaded, the best
-of a few repeats of many calls. Run it at two commits to compare::
+of a few repeats of many calls. Also the KV compaction of the accepted
+paths (each request's path taken from the greedy walk), over 65 layer
+caches shaped as the deep target's and its head's (2 KV heads of 64, block
+size 16) in one buffer as vLLM allocates them: the CPU path
+(``CPUKVCompaction``) and the PyTorch reference on the key/value views.
+Run it at two commits to compare::
 
     .venv/bin/python scripts/bench_host_ops.py --out results/host_ops_<commit>.json
 """
@@ -22,9 +27,11 @@ from pathlib import Path
 
 import torch
 
+from vllm_eagle_tree.adapter.cpu_tree_attention import CPUKVCompaction, cpu_kv_views
 from vllm_eagle_tree.core.budget import GoodputPlanner
 from vllm_eagle_tree.core.expander import TreeConfig, expand_tree
 from vllm_eagle_tree.core.verification import verify
+from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
 
 VOCAB = 4096
 
@@ -82,6 +89,30 @@ def case(batch: int, cfg: TreeConfig, calls: int) -> dict[str, float]:
                                                    torch.ones(batch)), calls) - copy_ms,
         "observe_acceptance_ms": best_of(lambda: planner.observe_acceptance(
             fresh(), greedy.num_accepted, greedy.accepted_nodes, req_ids), calls) - copy_ms,
+        **compaction(tree, greedy, calls),
+    }
+
+
+def compaction(tree, walk, calls: int, layers: int = 65, heads: int = 2, head_size: int = 64,
+               block: int = 16) -> dict[str, float]:
+    """KV compaction of the walk's accepted paths: the CPU path and the
+    reference, over ``layers`` caches in one buffer."""
+    B = tree.num_requests
+    per_req = (int(tree.context_len.max()) + int(tree.cu_nodes.diff().max())) // block + 2
+    shape = (B * per_req, heads, block, 2 * head_size)
+    buf = torch.zeros(layers, *shape)
+    caches = list(buf.unbind(0))
+    bt = torch.arange(B * per_req, dtype=torch.int32).view(B, per_req)
+    num_acc = walk.num_accepted.clamp(min=1)  # at least one node moves in every request
+    nodes = walk.accepted_nodes.clone()
+    nodes[:, 0] = torch.where(walk.num_accepted > 0, nodes[:, 0], 1)
+    cpu = CPUKVCompaction(caches)
+    views = [cpu_kv_views(c) for c in caches]
+    ref = ([k for k, _ in views], [v for _, v in views])
+    return {
+        "compact_kv_cpu_ms": best_of(lambda: cpu(bt, tree.context_len, num_acc, nodes), calls),
+        "compact_kv_reference_ms": best_of(
+            lambda: compact_kv_ref(ref, bt, tree.context_len, num_acc, nodes), calls),
     }
 
 

@@ -321,6 +321,49 @@ def _random_tree_requests(g, B, nb, max_q, max_ctx, wide):
     return tl, ctx, bt, cu, torch.cat(masks)
 
 
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_cpu_compaction_equals_reference(seed, shared):
+    """The CPU path's flat-row compaction moves exactly what the reference
+    moves on the key and value views, in every layer, and nothing else
+    (random paths over block boundaries, overlapping source and destination
+    ranges, requests with nothing accepted, permuted block tables), layers
+    in tensors of their own or, as vLLM allocates them, views of one buffer
+    (with a gap between layers that must stay untouched)."""
+    from vllm_eagle_tree.triton_kernels.kv_compaction import compact_kv_ref
+
+    g = torch.Generator().manual_seed(seed)
+    B, nb, h, bs, d, layers, D = 6, 48, 2, 16, 8, 3, 6
+    if shared:
+        size = nb * h * bs * 2 * d
+        buf = torch.randn(layers * (size + 5), generator=g)
+        caches = [buf[i * (size + 5):i * (size + 5) + size].view(nb, h, bs, 2 * d)
+                  for i in range(layers)]
+        before = buf.clone()
+    else:
+        caches = [torch.randn(nb, h, bs, 2 * d, generator=g) for _ in range(layers)]
+    bt = torch.randperm(nb, generator=g).view(B, 8).to(torch.int32)  # requests own blocks
+    ctx = torch.randint(0, 100, (B,), generator=g)
+    num_acc = torch.randint(0, D + 1, (B,), generator=g)
+    num_acc[seed % B] = 0
+    nodes = torch.full((B, D), -1, dtype=torch.int64)
+    for b in range(B):  # a root path: node indices increasing, each in a 12-node tree
+        n = int(num_acc[b])
+        nodes[b, :n] = torch.randperm(12, generator=g)[:n].sort().values + 1
+    want = [c.clone() for c in caches]
+    views = [cta.cpu_kv_views(c) for c in want]
+    compact_kv_ref(([k for k, _ in views], [v for _, v in views]), bt, ctx, num_acc, nodes)
+    assert any(not torch.equal(w, c) for w, c in zip(want, caches))  # something moved
+    cta.cpu_compact_kv(caches, bt, ctx, num_acc, nodes)
+    for w, c in zip(want, caches):
+        assert torch.equal(w, c)
+    if shared:
+        gaps = torch.ones(buf.numel(), dtype=torch.bool)
+        for i in range(layers):
+            gaps[i * (size + 5):i * (size + 5) + size] = False
+        assert torch.equal(buf[gaps], before[gaps])
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_padded_tree_attention_equals_reference(seed):
     """The batched CPU path equals the per-request reference (random trees,

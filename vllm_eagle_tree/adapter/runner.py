@@ -43,7 +43,7 @@ from ..core import TreeBatch, verify
 from ..core.budget import GoodputPlanner, ShapeBandit, chain_length, greedy_chain_acceptance
 from .attention import TREE_METADATA_ATTR, TreeAttention, TreeCPUAttentionImpl
 from .config import Eagle2Settings
-from .cpu_tree_attention import cpu_compact_kv, load_cpu_tree_op, probe_cpu_kv_layout
+from .cpu_tree_attention import CPUKVCompaction, load_cpu_tree_op, probe_cpu_kv_layout
 from .proposer import FirstPassRows, PendingRows, TreeDrafter, tree_from_cache
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -203,6 +203,7 @@ class TreeRunnerMixin:
                     f"eagle2: KV cache block size {kv.shape[2]} differs from the block "
                     f"table's {self._tree_block_size}")
         self._tree_kv_caches = self._unique_kv_caches()  # what compaction moves
+        self._compact_kv = CPUKVCompaction(self._tree_kv_caches)
         # the target layers' attention impls: they take the tree dispatch only
         # in steps with tree rows (_build_attention_metadata)
         draft_layers = set(self.drafter._draft_attn_layer_names)
@@ -564,8 +565,8 @@ class TreeRunnerMixin:
         if move:
             bt = self.input_batch.block_table[0].get_cpu_tensor()[
                 [step.batch_index[j] for j in move]]
-            cpu_compact_kv(self._tree_kv_caches, bt, tree.context_len[move],
-                           res.num_accepted[move], res.accepted_nodes[move])
+            self._compact_kv(bt, tree.context_len[move], res.num_accepted[move],
+                             res.accepted_nodes[move])
         self._record_tree_stats(tree, num_acc)
         if chain_length(self._draft_arm) is not None:
             # the head's greedy chains: what every chain arm's tokens are estimated from
