@@ -204,6 +204,8 @@ class TreeRunnerMixin:
                     f"table's {self._tree_block_size}")
         self._tree_kv_caches = self._unique_kv_caches()  # what compaction moves
         self._compact_kv = CPUKVCompaction(self._tree_kv_caches)
+        logger.info("eagle2: KV compaction moves %d layer caches in %d allocation(s)",
+                    len(self._tree_kv_caches), len(self._compact_kv.groups))
         # the target layers' attention impls: they take the tree dispatch only
         # in steps with tree rows (_build_attention_metadata)
         draft_layers = set(self.drafter._draft_attn_layer_names)
