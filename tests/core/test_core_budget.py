@@ -556,7 +556,8 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     measures the neighbours of its best arm until both are slower (a local
     search along plain < chain-1 < chain-2 < tree), then keeps the best one
     and re-measures a neighbour after 8 windows times (1 + gap / 5%) ** 2
-    (gap: how much faster it must get to be chosen)."""
+    (gap: how much faster it must get to be chosen), or times (1 + gap /
+    5%) when it has run one window only."""
     from vllm_eagle_tree.core.budget import ShapeBandit
 
     bandit = ShapeBandit(max_depth=2, window=4, explore_every=8)
@@ -584,12 +585,14 @@ def test_shape_bandit_climbs_to_the_fastest_arm_and_explores_its_neighbours():
     assert run(1, 4) == ["chain-1", "plain", "chain-2", "tree"]
     assert bandit.rate(0, "chain-2") == pytest.approx(60.0)
     # chain-1 must get 1 - 45 / (60 / 1.02) = 23.5% faster to be chosen (the
-    # 2% margin between speculative arms): re-measured on the
-    # 8 * (1 + 0.235 / 0.05) ** 2 = 259.9 -> 260th window; the tree must
-    # reach 1.02 * 60: 1 - 40 / 61.2 = 34.6% -> 8 * 7.93 ** 2 = 502.8 -> 503rd
+    # 2% margin between speculative arms): run once so far, its second window
+    # is the 8 * (1 + 0.235 / 0.05) = 45.6 -> 46th, its third 8 * 5.7 ** 2 =
+    # 259.9 -> 260 windows later (306th); the tree must reach 1.02 * 60:
+    # 1 - 40 / 61.2 = 34.6% -> 8 * 7.93 = 63.5 -> 64th; plain (always a
+    # rival) 1 - 30 / (60 / 1.02) = 49.0% -> 8 * 10.8 = 86.4 -> 87th
     later = run(1, 510)
     explored = {w + 1: a for w, a in enumerate(later) if a != "chain-2"}
-    assert explored == {260: "chain-1", 503: "tree"}, explored
+    assert explored == {46: "chain-1", 64: "tree", 87: "plain", 306: "chain-1"}, explored
     assert bandit.best(0) == "chain-2"
     # a new bucket starts from the nearest one's best (chain-2), measures
     # plain (always a rival), then plain's unmeasured neighbour chain-1;

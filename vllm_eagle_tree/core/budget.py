@@ -769,7 +769,10 @@ class ShapeBandit:
       already predicts well (plain, the chains) or whose one window is
       costly (the tree at batch 1, 40% slower), and at batch 1 (AVX-512,
       ``scripts/trace_bandit.py --batch 1 --requests 32``) their
-      re-measurements took ~1.5% of a run's steps.
+      re-measurements took ~1.5% of a run's steps. Linear, though, for an
+      arm run in one window only: one window is one noisy sample (a fresh
+      engine's tree window runs during the planner's warm-up, on the first
+      prompt's text), and its second costs one window per bucket.
     """
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
@@ -1177,7 +1180,14 @@ class ShapeBandit:
             if chain_length(best) is not None and self._predicted(b, n):
                 continue  # the best chain's windows refresh the base it shares
             waited[n] = waited.get(n, 0) + 1
-            if waited[n] >= self.explore_every * (1.0 + self._gap(b, best, n) / 0.05) ** 2:
+            # an arm run in one window only is one noisy sample (at a fresh
+            # engine: the planner's warm-up, the first prompt's text): its
+            # second window waits by the gap, not its square (batch 1, AVX2:
+            # a tree first measured 18% under chain-2 waited ~200 windows
+            # of a ~300-window engine, and ran level with chain-2 when it
+            # came)
+            power = 1 if ran.get(n, (0, 0, 0))[2] == 1 else 2
+            if waited[n] >= self.explore_every * (1.0 + self._gap(b, best, n) / 0.05) ** power:
                 due.append((waited[n], n))
         if due:
             n = max(due)[1]
