@@ -1159,6 +1159,31 @@ def test_shape_bandit_models_the_tree_step_from_its_measured_parts():
     assert bandit.model_seconds(1, "tree") is None  # not borrowed: tree sizes depend on the batch
 
 
+
+def test_shape_bandit_weighs_a_stale_tree_window_by_its_age():
+    """The tree's model parts (forward ratio, rows, drafting, other), like
+    its rate, weigh their old value by decay ** (1 + age / explore_every)
+    when re-measured after `age` windows of other arms: a fresh engine's
+    first tree window (planner warm-up: unpruned trees, more rows, slower
+    drafting) no longer outweighs the re-measurement 16 windows later."""
+    from vllm_eagle_tree.core.budget import LinearCost, ShapeBandit
+
+    cost = LinearCost(a=0.1, b=0.002)
+    bandit = ShapeBandit(max_depth=2, window=4, verify_cost=cost)
+
+    def step(rows, draft):
+        def f(arm):
+            return (2.6, rows, 1.25 * cost(rows), draft, 0.003) if arm == "tree" else \
+                (1.0, 4, cost(4), 0.0, 0.002)
+        return f
+
+    _forced_windows(bandit, cost, [("tree", 1.0, step(36, 0.020))]
+                    + [("plain", 1.0, step(36, 0.020))] * 16 + [("tree", 1.0, step(16, 0.008))])
+    a = 0.7 ** (1 + 16 / 8)
+    parts = bandit.model_summary()["4"]["tree"]
+    assert parts["rows_per_request"] == pytest.approx(a * 9.0 + (1 - a) * 4.0, abs=0.01)
+    assert parts["draft_ms"] == pytest.approx(a * 20.0 + (1 - a) * 8.0, abs=0.1)
+
 def test_shape_bandit_tree_measured_in_a_quick_moment_does_not_outrank_the_best_chain():
     """Batch 4 on the AVX2 machine: the tree ran a window while the machine
     was quick and, ranked by its own windows, kept a rate the chains

@@ -1310,26 +1310,26 @@ class ShapeBandit:
             others = self._other.setdefault(b, {})
             key = "plain" if k is None else "chain"
             others[key] = self._ema(others.get(key), other / n)
-        elif self.verify_cost is not None and timed == n and arm == "tree" and ratio > 0.0:
-            parts = {"ratio": ratio / n, "rows": per_request / n, "other": other / n,
-                     "draft": draft / n}
-            old = self._tree.get(b)
-            self._tree[b] = parts if old is None else \
-                {key: self._ema(old[key], x) for key, x in parts.items()}
         number = self._closed[b] = self._closed.get(b, 0) + 1
         last = self._last.setdefault(b, {})
         age = number - last.get(arm, number) - 1  # windows of other arms since its last
         last[arm] = number
+        # an arm re-measured after `age` windows of others: its old value is
+        # as stale as it is old (the machine drifts, the planner learns), so
+        # it weighs decay ** (1 + age / explore_every) (0.34 after 16
+        # windows) rather than decay: one unlucky first window no longer
+        # keeps a rival down through its rare re-measurements
+        a = self.decay ** (1.0 + age / self.explore_every)
+        if self.verify_cost is not None and timed == n and arm == "tree" and ratio > 0.0:
+            parts = {"ratio": ratio / n, "rows": per_request / n, "other": other / n,
+                     "draft": draft / n}
+            old = self._tree.get(b)
+            self._tree[b] = parts if old is None else \
+                {key: a * old[key] + (1 - a) * x for key, x in parts.items()}
         st = self.stats.setdefault(b, {}).get(arm)
         if st is None:
             self.stats[b][arm] = [tok / n, sec / n, 1, req / n]
         else:
-            # an arm re-measured after `age` windows of others: its old value
-            # is as stale as it is old (the machine drifts), so it weighs
-            # decay ** (1 + age / explore_every) (0.34 after 16 windows)
-            # rather than decay: one unlucky first window no longer keeps a
-            # rival down through its rare re-measurements
-            a = self.decay ** (1.0 + age / self.explore_every)
             st[0] = a * st[0] + (1 - a) * tok / n
             st[1] = a * st[1] + (1 - a) * sec / n
             st[2] += 1
