@@ -281,8 +281,9 @@ class CPUKVCompaction:
     ``index_copy_`` (every source is read before any destination is
     written). The reference's advanced indexing on the views, four ops a
     layer, took 2.5-3.4 ms a compaction at batch 1 on the 65 layers of the
-    deep target and its head (AVX2 host), this 0.5 ms (batch 64, three
-    tokens each: 135 against 30-50 ms).
+    deep target and its head (AVX2 host); ``scripts/bench_host_ops.py``
+    times this at 0.34 against the reference's 2.08 ms at batch 1, 21
+    against 136 ms at batch 64.
     """
 
     def __init__(self, kv_caches: Sequence[torch.Tensor]):
@@ -307,7 +308,7 @@ class CPUKVCompaction:
         this object's)."""
         if self.shape is None:
             return
-        nb, h, bs, two_d = self.shape
+        _, h, bs, two_d = self.shape
         na = num_accepted.tolist()
         keep = [b for b, n in enumerate(na) if n > 0]
         if not keep:
