@@ -108,4 +108,16 @@ def test_tp2_mp_goodput_ranks_learn_and_pick_alike(tmp_path, tp2_vanilla):
     ran = {a for arms in g0["arm_windows"].values() for a, n in arms.items() if n}
     assert len(ran) > 1, g0["arm_windows"]
     assert s0["tree_requests"] > 0, s0
-    _check_sampled_ranks_agree(got)
+    # sampled: the ranks still agree, models included. The bandit may run
+    # plain decoding for the whole sampled batch (at batch 32 on a slow host
+    # drafting can lose), so tree counters advance exactly when it ran a
+    # drafting arm there; test_tp2_mp_identical_to_tp2_without_speculation
+    # is the one that always verifies sampling.
+    z0, z1 = got["sampled_stats"]
+    assert z0 == z1, "the two TP ranks accepted differently when sampling"
+
+    def drafting_windows(stats):
+        return sum(n for arms in stats["goodput"]["arm_windows"].values()
+                   for a, n in arms.items() if a != "plain")
+    drafted = drafting_windows(z0) > drafting_windows(s0)
+    assert (z0["tree_requests"] > s0["tree_requests"]) == drafted, (z0, s0)
