@@ -174,8 +174,18 @@ def main():
             timers.wrap(runner.drafter, VLLM_DRAFTER, "drafter.")
         return llm, timers
 
+    def tree_counts(llm):
+        """The runner's cumulative (verify steps, tree requests, drafted
+        nodes, accepted nodes); None for engines without eagle2."""
+        runner = _runner(llm)
+        st = getattr(runner, "tree_stats", None)
+        if st is None:
+            return None
+        return (st["steps"], st["tree_requests"], st["nodes"], sum(st["accepted_per_depth"]))
+
     def run(shape, llm, timers):
         timers.clear()
+        before = tree_counts(llm)
         _scheduler(llm).max_num_active_reqs = args.batch
         gc.callbacks.append(timers.gc_callback)
         faults = resource.getrusage(resource.RUSAGE_SELF)
@@ -191,6 +201,11 @@ def main():
               f"{timers.calls.get('execute_model', 0)} engine steps, "
               f"{faults_after.ru_minflt - faults.ru_minflt} minor page faults, "
               f"{faults_after.ru_nivcsw - faults.ru_nivcsw} involuntary context switches")
+        after = tree_counts(llm)
+        if after is not None and after[1] > before[1]:
+            _, reqs, nodes, acc = (x - y for x, y in zip(after, before))
+            print(f"   trees: {reqs} verified, {nodes / reqs:.2f} drafted nodes and "
+                  f"{acc / reqs:.3f} accepted a tree")
         # the wall time no timed method holds: engine-core output processing,
         # the LLM's request and output bookkeeping
         timed = sum(timers.seconds.get(k, 0.0) for k in

@@ -357,6 +357,39 @@ def test_goodput_planner_learns_the_extra_cost_of_tree_steps():
     assert pl.prune(tree).total == 1 and pl.last_plan.num_nodes == 0
 
 
+def test_goodput_planner_sizes_trees_on_the_forward_models_shape():
+    """With the start-up probe's profile, nodes are charged what the shaped
+    forward model says (flat at 1-6 rows here), not the line's cost a row."""
+    from vllm_eagle_tree.core.budget import GoodputPlanner
+
+    # one request's chain of 5 nodes, each less likely than the last
+    tree = TreeBatch.from_parents([[-1, 0, 1, 2, 3, 4]], [[1, 2, 3, 4, 5, 6]],
+                                  values=[[0, -1.5, -1.8, -2.1, -2.4, -2.7]])
+
+    def planner(profile: bool) -> GoodputPlanner:
+        pl = GoodputPlanner(max_depth=6, warmup=0)
+        for rows in (1, 2, 4, 8, 16):  # probe points on 10 ms + 2 ms a row
+            pl.observe_verify(rows, 0.010 + 0.002 * rows, probe=True)
+        if profile:  # the forward: 20 ms at 1-6 rows, then the line
+            pl.forward_cost.set_profile({x: 0.020 if x <= 6 else 0.010 + 0.002 * x
+                                         for x in range(1, 17)})
+        return pl
+
+    p = planner(False).accept_prob(tree)[1:].tolist()
+    line, shaped = planner(False), planner(True)
+    assert shaped.step_cost(1) == pytest.approx(0.020) == pytest.approx(shaped.step_cost(6))
+    assert line.step_cost(6) == pytest.approx(0.022)
+    # the line: a node is worth its 2 ms only while likely enough
+    want = brute_force(p, 1, 0.010, 0.002, 0.0)[0]
+    assert line.prune(tree).total - 1 == line.last_plan.num_nodes == want < 5
+    # shaped: the sixth row costs nothing more than the first, so all five are kept
+    assert shaped.prune(tree).total == 6 and shaped.last_plan.num_nodes == 5
+    assert shaped.last_plan.seconds == pytest.approx(0.020)
+    # and a tree step's extra is measured against the same model
+    shaped.observe_verify(6, 0.025, tree_rows=6)
+    assert shaped.tree_overhead == pytest.approx(0.005)
+
+
 def brute_best_chain(parents, values):
     on, node = [0], 0
     while True:

@@ -378,29 +378,32 @@ class BudgetPlan:
     chain: bool = False       # the nodes are each request's greedy path (no tree mask)
 
 
-def plan_budget(accept_prob: torch.Tensor, num_requests: int, verify_cost: LinearCost,
-                draft_seconds: float = 0.0, max_nodes: int | None = None) -> BudgetPlan:
+def plan_budget(accept_prob: torch.Tensor, num_requests: int,
+                verify_cost: Callable[[float], float], draft_seconds: float = 0.0,
+                max_nodes: int | None = None, other_rows: int = 0) -> BudgetPlan:
     """Best number of candidate nodes to verify for the batch.
 
     ``accept_prob``: calibrated acceptance probability of every candidate node
-    (any order; NaN counts as 0). Verifying the top ``n`` costs
-    ``verify_cost(num_requests + n)`` plus ``draft_seconds`` when ``n > 0``
-    and is expected to emit ``num_requests + sum(top n probabilities)``
-    tokens. ``n = 0`` is plain decoding; of equal rates the smallest budget
-    wins. (Python floats, not tensor ops: a step's candidates are a few
-    dozen, and each op costs ~5 us on a CPU host.)
+    (any order; NaN counts as 0). ``verify_cost``: the target forward's
+    seconds at a number of query rows (a :class:`LinearCost`, or the
+    shaped :class:`DriftingCost`). Verifying the top ``n`` costs
+    ``verify_cost(other_rows + num_requests + n)`` plus ``draft_seconds``
+    when ``n > 0`` and is expected to emit ``num_requests + sum(top n
+    probabilities)`` tokens. ``n = 0`` is plain decoding; of equal rates the
+    smallest budget wins. (Python floats, not tensor ops: a step's
+    candidates are a few dozen, and each op costs ~5 us on a CPU host.)
     """
     p = sorted((0.0 if math.isnan(x) else x for x in accept_prob.reshape(-1).tolist()),
                reverse=True)
     if max_nodes is not None:
         p = p[:max_nodes]
-    a, b = verify_cost.a, verify_cost.b
+    rows = other_rows + num_requests
     tokens = float(num_requests)
-    best = (0, tokens, a + b * num_requests)
+    best = (0, tokens, verify_cost(rows))
     best_rate = tokens / max(best[2], 1e-12)
     for n, q in enumerate(p, start=1):
         tokens += q
-        seconds = a + b * (num_requests + n) + draft_seconds
+        seconds = verify_cost(rows + n) + draft_seconds
         rate = tokens / max(seconds, 1e-12)
         if rate > best_rate:
             best, best_rate = (n, tokens, seconds), rate
@@ -561,7 +564,7 @@ class GoodputPlanner:
             self.verify_cost.observe(query_rows, seconds)
             self.forward_cost.observe(query_rows, seconds, decode=decode)
         else:
-            extra = max(seconds - self.verify_cost(query_rows), 0.0)
+            extra = max(seconds - self.step_cost(query_rows), 0.0)
             self.tree_overhead = extra if self.tree_overhead == 0.0 else \
                 0.9 * self.tree_overhead + 0.1 * extra
         self.steps_timed += 1
@@ -622,13 +625,15 @@ class GoodputPlanner:
         drafted = tree.parent >= 0
         p_all = self.accept_prob(tree, req_ids)
         p = p_all[drafted]
-        cost = LinearCost(a=self.verify_cost(other_rows), b=self.verify_cost.b)
+        cost = self.step_cost
         # Two shapes: any ancestor-closed subset (pays the tree-step overhead,
         # i.e. tree attention), or each request's greedy chain (a causal mask:
         # no overhead). The faster wins; ties go to the chain.
         chain = best_chains(tree)
-        as_tree = plan_budget(p, tree.num_requests, cost, self.draft_seconds + self.tree_overhead)
-        as_chain = plan_budget(p[chain[drafted]], tree.num_requests, cost, self.draft_seconds)
+        as_tree = plan_budget(p, tree.num_requests, cost, self.draft_seconds + self.tree_overhead,
+                              other_rows=other_rows)
+        as_chain = plan_budget(p[chain[drafted]], tree.num_requests, cost, self.draft_seconds,
+                               other_rows=other_rows)
         as_chain.chain = True
         plan = as_chain if as_chain.tokens_per_second >= as_tree.tokens_per_second else as_tree
         self.last_plan = plan
@@ -639,6 +644,18 @@ class GoodputPlanner:
                               allowed=chain if plan.chain else None)
         self.kept_depth = int(pruned.depth.max())
         return pruned
+
+    def step_cost(self, query_rows: float) -> float:
+        """The target forward's seconds at ``query_rows`` as trees are sized
+        against: the shaped forward model (:class:`DriftingCost`, the shape
+        bandit's) once the start-up probe gave it a profile, else the line
+        ``verify_cost``. The forward is not a line at few rows (AVX2 host,
+        ``scripts/forward_by_rows.py``: 29.5-30 ms at 3 to 6 rows, then ~+1 ms
+        a row), and the line's 0.87 ms a row charged a batch-1 tree ~3% of
+        its step for each node the forward carries at no cost."""
+        if self.forward_cost.profile():
+            return self.forward_cost(query_rows)
+        return self.verify_cost(query_rows)
 
     def draft_depth(self, max_depth: int) -> int:
         """How deep to draft this step: one level past the deepest node the
