@@ -201,6 +201,8 @@ def compare_shapes(llm, runner, shapes, args, prompts, params):
           f"(speed {getattr(cost, 'speed', 1.0):.3f}), shape factor by rows "
           + json.dumps({k: round(v, 3) for k, v in getattr(cost, 'profile', dict)().items()}))
     print("bandit model:", json.dumps(bandit.model_summary()))
+    print("lockstep drains, measured excess over the model's: "
+          f"{[round(x, 3) for x in bandit.drains]} -> drain_scale {bandit.drain_scale:.3f}")
     print("where the runs' time went, per shape (all its rounds; the drain: steps at under "
           "the full batch, its excess over their tokens at the full-batch steps' rate)")
     for shape in shapes:

@@ -223,7 +223,7 @@ def _set_skip_pattern(worker, period, hold):
     runner.hold_plain_rows = hold
     count = [0]
 
-    def choose(batch_size, lockstep=False, horizon=1.0):
+    def choose(batch_size, lockstep=False, horizon=1.0, **_):
         count[0] += 1
         return "tree" if count[0] % period == 0 else "plain"
 
@@ -394,7 +394,7 @@ def _force_arms(worker, arms, fast):
     drafter = runner.tree_drafter
     count = [0]
 
-    def choose(batch_size, lockstep=False, horizon=1.0):
+    def choose(batch_size, lockstep=False, horizon=1.0, **_):
         count[0] += 1
         return arms[count[0] % len(arms)]
 
@@ -419,24 +419,29 @@ def _drafts_log(worker):
 
 def _record_lockstep(worker):
     """Test hook: the shape bandit always picks "plain" (which keeps a
-    lockstep) and records the ``lockstep`` and ``horizon`` the runner gives
-    it each step."""
+    lockstep) and records the ``lockstep``, ``horizon``, ``waiting`` and
+    ``lifetime`` the runner gives it each step, and when the runner ends a
+    drain (``end_drain``: as the number of picks recorded before it)."""
     runner = worker.model_runner
     log = runner._test_lockstep = []
+    ends = runner._test_drain_ends = []
 
-    def choose(batch_size, lockstep=False, horizon=1.0):
-        log.append((batch_size, lockstep, horizon))
+    def choose(batch_size, lockstep=False, horizon=1.0, waiting=0, lifetime=None):
+        log.append((batch_size, lockstep, horizon, waiting, lifetime))
         return "plain"
 
     runner.tree_bandit.choose = choose
+    runner.tree_bandit.end_drain = lambda: ends.append(len(log))
     return True
 
 
 def _lockstep_log(worker):
-    """The recorded (batch size, lockstep, horizon) since the last call."""
-    log = worker.model_runner._test_lockstep
-    out = list(log)
-    log.clear()
+    """The recorded (batch size, lockstep, horizon, waiting, lifetime) since
+    the last call, and the drain ends."""
+    runner = worker.model_runner
+    out = list(runner._test_lockstep), list(runner._test_drain_ends)
+    runner._test_lockstep.clear()
+    runner._test_drain_ends.clear()
     return out
 
 
@@ -483,7 +488,20 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
     # the runner's lockstep: requests with the same number of tokens left
     # (equal max_tokens, started together) until they finish together; with
     # 8 and 12 tokens, only once the 8-token ones have finished; never alone
-    same, mixed_lengths, alone, queued = lockstep
+    (same, e_same), (mixed_lengths, e_mixed), (alone, e_alone), (queued, e_queued) = lockstep
+    # the batch turned over (none of the last step's requests runs on) at
+    # each run's first step, and in the queued run when the 8 first requests
+    # had finished together and the 4 queued ones began: a drain ends there
+    assert e_same == e_mixed == e_alone == [0], (e_same, e_mixed, e_alone)
+    assert e_queued[0] == 0 and len(e_queued) == 2, e_queued
+    assert {x[0] for x in queued[:e_queued[1]]} == {8} and queued[e_queued[1]][0] == 4
+    # in lockstep the bandit gets the requests' max_tokens (the drain it
+    # would watch), and always the scheduler's waiting count
+    assert all(x[3:] == (0, 8) for x in same), same
+    assert [x[4] for x in mixed_lengths] == [None] * 8 + [12] * 4, mixed_lengths
+    assert all(x[3:] == (0, None) for x in alone), alone
+    assert all(x[3:] == (4, 8) for x in queued[:e_queued[1]]), queued
+    assert all(x[3] == 0 for x in queued[e_queued[1]:]), queued
     assert len(same) >= 8 and all(x[:2] == (4, True) for x in same), same
     assert [x[:2] for x in mixed_lengths] == [(4, False)] * 8 + [(2, True)] * 4, mixed_lengths
     assert alone and all(x[:2] == (1, False) for x in alone), alone
@@ -491,13 +509,13 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
     # max_tokens, one round's worth falling a step at a time, plus (the
     # scheduler's waiting count, registration's patch) 4 requests queued
     # behind 8 running: half a round more, step for step
-    rounds = [h for _, _, h in same]
+    rounds = [h for _, _, h, *_ in same]
     assert rounds == sorted(rounds, reverse=True) and 0 < rounds[-1] and rounds[0] <= 1
     assert len(set(round(8 * h, 6) for h in rounds)) == len(rounds)  # 1/8 a step
     assert all(round(8 * h, 6) == int(round(8 * h)) for h in rounds), rounds
     first = [x for x in queued if x[0] == 8]
     assert [x[1] for x in first] == [True] * len(first) and len(first) >= len(same)
-    assert [h - 0.5 for _, _, h in first[:len(rounds)]] == pytest.approx(rounds), first
+    assert [h - 0.5 for _, _, h, *_ in first[:len(rounds)]] == pytest.approx(rounds), first
     assert {a for a, *_ in mixed} == set(arms) - {"plain"}
     assert d.drafts > 0
     # every target layer's attention takes the tree dispatch exactly in the

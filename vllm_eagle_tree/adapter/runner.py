@@ -330,7 +330,15 @@ class TreeRunnerMixin:
         the same whatever the arm: the bandit counts steps without them while
         there are any; otherwise their rows' share of the step (the
         verify-cost model's per-row cost) is taken out. Only decoding
-        requests and the tokens they emit are counted."""
+        requests and the tokens they emit are counted. A batch that turned
+        over (none of the last step's requests runs on) ends the lockstep
+        drain the bandit may be watching (``ShapeBandit.end_drain``)."""
+        ran_on = any(r in scheduler_output.num_scheduled_tokens for r in self._step_req_ids)
+        self._learn_step_times(now, ran_on)
+        if not ran_on:
+            self.tree_bandit.end_drain()
+
+    def _learn_step_times(self, now: float, ran_on: bool) -> None:
         whole = None
         if self._step_clock is not None and self._step_emitted > 0:
             # The engine waits for requests only when none is running: if
@@ -341,7 +349,6 @@ class TreeRunnerMixin:
             # before the pause between two `vllm bench serve` runs put the
             # chains' time outside the forward at ~2.4 s a step at batch 1,
             # which batch 4 borrowed: it kept plain for the whole next run.)
-            ran_on = any(r in scheduler_output.num_scheduled_tokens for r in self._step_req_ids)
             end = now if ran_on or self._step_end is None else self._step_end
             whole = end - self._step_clock
         forward = self._step_forward if self._step_verify is not None else None
@@ -639,9 +646,11 @@ class TreeRunnerMixin:
         if self.tree_bandit is not None:
             scheduled = [r for r in self.input_batch.req_ids[:num_reqs]
                          if scheduler_output.num_scheduled_tokens.get(r, 0) > 0]
-            horizon = self._lockstep_horizon(scheduled, scheduler_output)
-            arm = self.tree_bandit.choose(len(scheduled), lockstep=horizon is not None,
-                                          horizon=1.0 if horizon is None else horizon)
+            lockstep = self._lockstep_horizon(scheduled, scheduler_output)
+            horizon, lifetime = (1.0, None) if lockstep is None else lockstep
+            arm = self.tree_bandit.choose(
+                len(scheduled), lockstep=lockstep is not None, horizon=horizon,
+                waiting=getattr(scheduler_output, "eagle2_waiting", 0) or 0, lifetime=lifetime)
         self._draft_arm = arm
         skip = arm == "plain"
         if skip and not self.hold_plain_rows and self._hold_plain_decodes(
@@ -728,7 +737,8 @@ class TreeRunnerMixin:
             drafts[q.batch_index] = t[1][1:]
         return drafts
 
-    def _lockstep_horizon(self, req_ids: list[str], scheduler_output) -> float | None:
+    def _lockstep_horizon(self, req_ids: list[str],
+                          scheduler_output) -> tuple[float, int] | None:
         """None unless these requests (two or more) would all finish in the
         same step under plain decoding: each has the same number of output
         tokens left before its ``max_tokens`` (the shape bandit's lockstep,
@@ -737,7 +747,7 @@ class TreeRunnerMixin:
         batch: the tokens left over ``max_tokens``, plus the requests waiting
         in the scheduler (``eagle2_waiting``, registration's patch; none
         where it is missing) over the batch size, each taken to want as
-        many tokens (``ShapeBandit.lockstep_rate``)."""
+        many tokens (``ShapeBandit.lockstep_rate``), and their ``max_tokens``."""
         left = most = None
         for r in req_ids:
             params = self.requests[r].sampling_params
@@ -751,7 +761,7 @@ class TreeRunnerMixin:
         if len(req_ids) < 2:
             return None
         waiting = getattr(scheduler_output, "eagle2_waiting", 0) or 0
-        return left / max(most, 1) + waiting / len(req_ids)
+        return left / max(most, 1) + waiting / len(req_ids), most
 
     def _hold_plain_decodes(self, scheduler_output, sampled_token_ids, hidden_states,
                             aux_hidden_states) -> bool:

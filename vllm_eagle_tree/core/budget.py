@@ -828,6 +828,13 @@ class ShapeBandit:
         self.current = "chain-1"
         self.lockstep = False  # whether the batch of the last choose() was in lockstep
         self.horizon = 1.0  # its work left in rounds of the batch (choose)
+        # the lockstep drain, measured over the model's (drain_scale):
+        # [weight, weighted sum] of the drains measured, decayed by half per
+        # drain, with one pseudo-drain at 1 (the model as it stands) for prior
+        self._drain_scale = [1.0, 1.0]
+        self.drains: list[float] = []  # the last 32 drains' measured / modelled excess
+        # the drain being watched (a speculative pick broke a lockstep), None: none
+        self._drain_watch: dict | None = None
         self._bucket = -1  # no window yet (every batch size is >= 0.75 octaves from it)
         # this window: [tokens, seconds, counted steps, requests] of its steps
         # without prefill rows ("clean") and of the others; and its steps so far
@@ -1084,16 +1091,85 @@ class ShapeBandit:
         r = self.rate(bucket, arm, optimism=0.0)
         if r is None or arm == "plain":
             return r
+        parts = self._drain_parts(bucket, arm)
+        if parts is None:
+            return r / (1.0 + self.speculation_margin)
+        t, extra = parts
+        return r * t / (t + self.drain_scale * extra / max(self.horizon, 1.0))
+
+    def _drain_parts(self, bucket: int, arm: str) -> tuple[float, float] | None:
+        """The model's full-batch step ``t(N)`` of a speculative ``arm`` and
+        what each of a drain's L / tau steps costs over the full batch's
+        rate, ``t(N / 2) - t(N) / 2`` (:meth:`lockstep_rate`); None: no model."""
         t = self.model_seconds(bucket, arm)
         if t is None:
-            return r / (1.0 + self.speculation_margin)
+            return None
         n = float(1 << bucket)
         k = chain_length(arm)
         tree = self._tree.get(bucket, {})
         rows = n * (1 + k) if k is not None else n * tree["rows"]
         ratio = 1.0 if k is not None else tree["ratio"]
         half = t - ratio * (self.verify_cost(rows) - self.verify_cost(rows / 2))
-        return r * t / (t + max(half - 0.5 * t, 0.0) / max(self.horizon, 1.0))
+        return t, max(half - 0.5 * t, 0.0)
+
+    @property
+    def drain_scale(self) -> float:
+        """How much longer lockstep drains ran than :meth:`lockstep_rate`'s
+        model of them (1: as modelled), from the drains this engine measured
+        (:meth:`end_drain`).
+
+        The model has the last round finish evenly over one lifetime at half
+        the batch. Requests' acceptance differs by their text, though, so
+        the slow ones finish last, at a small batch, with few tokens a step:
+        at batch 16 (AVX2, ``scripts/bench_shapes.py --shape
+        plain,chain-1,chain-2 --rounds 3 --batch 16 --requests 32``) the
+        drains lasted ~1.3 lifetimes, down to batch 1 for ten steps, and
+        cost 1.7-1.8x the model's excess; so chain-1 and chain-2, whose
+        full-batch steps ran 8% and 11% faster than plain's, ran whole
+        runs 4% and 7% slower, and the bandit, which predicted them 9%
+        faster in lockstep, chose them."""
+        return self._drain_scale[1] / self._drain_scale[0]
+
+    def _watch_drain(self, batch_size: int, waiting: int) -> None:
+        """Follow the watched lockstep (:meth:`choose`): its drain begins once
+        no request waits and the batch is under its peak; a request that
+        joins after that (a served load: not a lockstep's drain) ends the
+        watch unmeasured."""
+        w = self._drain_watch
+        if w is None:
+            return
+        if w["phase"] == "full":
+            if waiting == 0 and batch_size < w["peak"]:
+                w["phase"] = "drain"
+        elif waiting > 0 or batch_size > w["last"]:
+            self._drain_watch = None
+            return
+        w["last"] = batch_size
+
+    def end_drain(self) -> None:
+        """The batch turned over (none of the last step's requests runs on):
+        a watched drain is over. Its excess, the seconds of its steps over
+        their tokens at the model's full-batch rate of the arm that broke
+        the lockstep, over the model's (``L / tau x (t(N / 2) - t(N) /
+        2)``, :meth:`lockstep_rate`), is one more measurement of
+        :attr:`drain_scale` (each weighs as much as all before it; at most
+        4)."""
+        w, self._drain_watch = self._drain_watch, None
+        if w is None or w["phase"] != "drain" or w["steps"] == 0:
+            return
+        b, arm = w["bucket"], w["arm"]
+        parts = self._drain_parts(b, arm)
+        k = chain_length(arm)
+        tau = self.tree_tokens(b, 0.0) if arm == "tree" else self.chain_tokens(k, 0.0)
+        if parts is None or tau is None or parts[1] <= 0.0:
+            return
+        t, extra = parts
+        model = w["lifetime"] / tau * extra
+        measured = w["seconds"] - w["tokens"] * t / (float(1 << b) * tau)
+        ratio = min(max(measured / model, 0.0), 4.0)
+        self.drains = self.drains[-31:] + [ratio]
+        weight, total = self._drain_scale
+        self._drain_scale = [0.5 * weight + 1.0, 0.5 * total + ratio]
 
     def _ranked(self, bucket: int, arm: str) -> float | None:
         """The rate arms are ranked by: :meth:`lockstep_rate` in lockstep,
@@ -1212,7 +1288,8 @@ class ShapeBandit:
             return n
         return best
 
-    def choose(self, batch_size: int, lockstep: bool = False, horizon: float = 1.0) -> str:
+    def choose(self, batch_size: int, lockstep: bool = False, horizon: float = 1.0,
+               waiting: int = 0, lifetime: float | None = None) -> str:
         """The arm for this step's drafts. ``lockstep``: whether the batch's
         requests would all finish in the same step under plain decoding (the
         class docstring); a window ends early when the batch gains it (a new
@@ -1220,9 +1297,14 @@ class ShapeBandit:
         picked out of lockstep does not break it. ``horizon``: in lockstep,
         the work left in rounds of this batch (tokens left over each
         request's ``max_tokens``, plus the requests waiting over the batch
-        size), over which :meth:`lockstep_rate` spreads the drain."""
+        size), over which :meth:`lockstep_rate` spreads the drain.
+        ``waiting``: requests queued behind the batch; ``lifetime``: in
+        lockstep, the tokens a request of it is given (``max_tokens``): a
+        speculative pick then breaks the lockstep, and its drain is watched
+        (:meth:`end_drain`)."""
         b = self._sticky_bucket(batch_size)
         gained = lockstep and not self.lockstep
+        self._watch_drain(batch_size, waiting)
         self.lockstep = lockstep
         self.horizon = horizon
         if b == self._bucket and not gained and self._acc["clean"][2] < self.window - 1 \
@@ -1233,6 +1315,11 @@ class ShapeBandit:
         self._close_window()
         self._bucket = b
         self.current = self._pick(b)
+        if lockstep and self.current != "plain" and lifetime \
+                and (self._drain_watch is None or gained):
+            self._drain_watch = {"peak": batch_size, "last": batch_size, "bucket": b,
+                                 "arm": self.current, "lifetime": float(lifetime),
+                                 "phase": "full", "seconds": 0.0, "tokens": 0.0, "steps": 0}
         self._steps = 1
         self._skip = True  # the window's first observation carries the previous arm's drafts
         if self.trace is not None:
@@ -1263,6 +1350,7 @@ class ShapeBandit:
             {a: None if r is None else round(r, 2) for a, r in ranked.items()},
             "step_ms": {a: None if x is None else round(1e3 * x, 2) for a, x in seconds.items()},
             "chain_tokens": [round(self.chain_tokens(k), 3) for k in range(1, len(self.reached) + 1)],
+            "drain_scale": round(self.drain_scale, 3),
         }
 
     def observe(self, tokens: float, seconds: float, requests: float | None = None,
@@ -1282,6 +1370,14 @@ class ShapeBandit:
         its own (hysteresis), and a run's drain passes through them:
         unscaled, plain measured at batch 10 in bucket 16 looks 28% slower
         than at 16 (a step of 20 ms + 0.65 ms per row, as measured live)."""
+        w = self._drain_watch
+        if w is not None and w["phase"] == "drain":  # a watched drain's step (end_drain)
+            if prefill:
+                self._drain_watch = None  # a request joined: not a lockstep's drain
+            else:
+                w["seconds"] += seconds
+                w["tokens"] += tokens
+                w["steps"] += 1
         if self._skip:
             self._skip = False
             return
