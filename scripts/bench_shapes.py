@@ -201,8 +201,11 @@ def compare_shapes(llm, runner, shapes, args, prompts, params):
           f"(speed {getattr(cost, 'speed', 1.0):.3f}), shape factor by rows "
           + json.dumps({k: round(v, 3) for k, v in getattr(cost, 'profile', dict)().items()}))
     print("bandit model:", json.dumps(bandit.model_summary()))
-    print("lockstep drains, measured excess over the model's: "
-          f"{[round(x, 3) for x in bandit.drains]} -> drain_scale {bandit.drain_scale:.3f}")
+    sp = sorted(bandit.speeds)
+    if sp:
+        print(f"finished requests' speeds (tokens over the pooled estimate, chain steps): "
+              f"{len(sp)}, min {sp[0]:.2f} p10 {sp[len(sp) // 10]:.2f} median "
+              f"{sp[len(sp) // 2]:.2f} p90 {sp[(9 * len(sp)) // 10]:.2f} max {sp[-1]:.2f}")
     print("where the runs' time went, per shape (all its rounds; the drain: steps at under "
           "the full batch, its excess over their tokens at the full-batch steps' rate)")
     for shape in shapes:

@@ -420,29 +420,28 @@ def _drafts_log(worker):
 def _record_lockstep(worker):
     """Test hook: the shape bandit always picks "plain" (which keeps a
     lockstep) and records the ``lockstep``, ``horizon``, ``waiting`` and
-    ``lifetime`` the runner gives it each step, and when the runner ends a
-    drain (``end_drain``: as the number of picks recorded before it)."""
+    ``lifetime`` the runner gives it each step."""
     runner = worker.model_runner
     log = runner._test_lockstep = []
-    ends = runner._test_drain_ends = []
 
     def choose(batch_size, lockstep=False, horizon=1.0, waiting=0, lifetime=None):
         log.append((batch_size, lockstep, horizon, waiting, lifetime))
         return "plain"
 
     runner.tree_bandit.choose = choose
-    runner.tree_bandit.end_drain = lambda: ends.append(len(log))
     return True
 
 
 def _lockstep_log(worker):
-    """The recorded (batch size, lockstep, horizon, waiting, lifetime) since
-    the last call, and the drain ends."""
-    runner = worker.model_runner
-    out = list(runner._test_lockstep), list(runner._test_drain_ends)
-    runner._test_lockstep.clear()
-    runner._test_drain_ends.clear()
+    """The recorded (batch size, lockstep, horizon, waiting, lifetime) since the last call."""
+    log = worker.model_runner._test_lockstep
+    out = list(log)
+    log.clear()
     return out
+
+
+def _speeds(worker):
+    return list(worker.model_runner.tree_bandit.speeds)
 
 
 def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
@@ -462,6 +461,10 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
             got = run(llm, PROMPTS[:16], GREEDY)
             assert_same(got, vanilla_greedy_200[:16], f"chain-3, fast path {fast}")
             logs.append(llm.collective_rpc(_drafts_log)[0])
+        # requests leave the runner at the next step: a 2-token request (one
+        # chain step, no speed of its own) takes the last ones out
+        run(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        speeds = llm.collective_rpc(_speeds)[0]
         arms = ["plain", "chain-1", "chain-2", "plain", "chain-3", "chain-4", "tree", "tree"]
         assert llm.collective_rpc(_force_arms, args=(arms, True)) == [True]
         (layers,) = llm.collective_rpc(record_attention_dispatch)
@@ -488,20 +491,17 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
     # the runner's lockstep: requests with the same number of tokens left
     # (equal max_tokens, started together) until they finish together; with
     # 8 and 12 tokens, only once the 8-token ones have finished; never alone
-    (same, e_same), (mixed_lengths, e_mixed), (alone, e_alone), (queued, e_queued) = lockstep
-    # the batch turned over (none of the last step's requests runs on) at
-    # each run's first step, and in the queued run when the 8 first requests
-    # had finished together and the 4 queued ones began: a drain ends there
-    assert e_same == e_mixed == e_alone == [0], (e_same, e_mixed, e_alone)
-    assert e_queued[0] == 0 and len(e_queued) == 2, e_queued
-    assert {x[0] for x in queued[:e_queued[1]]} == {8} and queued[e_queued[1]][0] == 4
-    # in lockstep the bandit gets the requests' max_tokens (the drain it
-    # would watch), and always the scheduler's waiting count
+    same, mixed_lengths, alone, queued = lockstep
+    # in lockstep the bandit gets the requests' max_tokens (the lockstep
+    # work it simulates), and always the scheduler's waiting count
     assert all(x[3:] == (0, 8) for x in same), same
     assert [x[4] for x in mixed_lengths] == [None] * 8 + [12] * 4, mixed_lengths
     assert all(x[3:] == (0, None) for x in alone), alone
-    assert all(x[3:] == (4, 8) for x in queued[:e_queued[1]]), queued
-    assert all(x[3] == 0 for x in queued[e_queued[1]:]), queued
+    assert all(x[3:] == (4, 8) for x in queued if x[0] == 8), queued
+    assert all(x[3] == 0 for x in queued if x[0] == 4), queued
+    # every request of the chain-3 runs (24 tokens: 6 or more chain steps)
+    # left a speed: tokens emitted over the pooled estimate
+    assert len(speeds) == 32 and all(0.2 < x < 4.0 for x in speeds), speeds
     assert len(same) >= 8 and all(x[:2] == (4, True) for x in same), same
     assert [x[:2] for x in mixed_lengths] == [(4, False)] * 8 + [(2, True)] * 4, mixed_lengths
     assert alone and all(x[:2] == (1, False) for x in alone), alone

@@ -833,76 +833,72 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     assert 0.66 < flat.lockstep_rate(2, "chain-1") / flat.rate(2, "chain-1", optimism=0.0) < 0.68
 
 
-def test_shape_bandit_measures_the_lockstep_drain_and_weighs_it_in():
-    """A speculative pick in lockstep breaks it, and the bandit watches the
-    drain that follows: the steps once no request waits and the batch is
-    under its peak, up to the batch's turnover (end_drain). Their seconds
-    over their tokens at the model's full-batch rate of the breaking arm,
-    over the model's excess (L / tau x (t(N / 2) - t(N) / 2)), is one
-    measurement of drain_scale (prior: one drain at 1, halved per drain),
-    by which lockstep_rate() then multiplies the drain. Steps of the
-    full batch, or with requests waiting, are not counted; a drain that a
-    request joins (a served load) is not measured."""
+def test_shape_bandit_simulates_the_lockstep_work_with_request_speeds():
+    """With a lifetime (in lockstep) and MIN_SPEEDS finished requests'
+    speeds, lockstep_rate() is the simulated rate of the work left: each
+    request takes tokens / (speed x tau) steps, queued ones start on the
+    first slot freed, and the steps cost the model's step at the number of
+    requests running. Equal speeds: no drain, the arm's full-batch rate;
+    speeds of 0.5 and 1.5: the slow request runs on alone; plain with a
+    partial last round drains too. Text-dependent speeds turn a chain that
+    the one-lifetime drain model put ahead of plain into a loss."""
     from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
 
-    bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=0.030, b=0.001))
-    bandit._other[4] = {"plain": 0.003, "chain": 0.004}
-    bandit._draft[4] = ChainDraftCost()
-    bandit._draft[4].observe(1, 0.003)
-    bandit.observe_chain([1] * 100, [1] * 55 + [0] * 45)
-    n, L, H = 16, 64, 4.0
-    t_c1 = 0.030 + 0.001 * 2 * n + 0.007
-    t_half = 0.030 + 0.001 * n + 0.007
-    tau0 = bandit.chain_tokens(1, optimism=0.0)
-    rate0 = bandit.rate(4, "chain-1", optimism=0.0)
-    assert bandit.drain_scale == 1.0
-    assert bandit.choose(n, lockstep=True, horizon=H, waiting=n, lifetime=L) == "chain-1"
-    before = bandit.lockstep_rate(4, "chain-1")
-    assert before == pytest.approx(rate0 * t_c1 / (t_c1 + (t_half - t_c1 / 2) / H))
-    # the full batch (requests replaced from the queue): not the drain
-    for batch, waiting in ((16, 8), (15, 3), (16, 0)):
-        bandit.choose(batch, waiting=waiting)
-        bandit.observe(25.0, 1.0)
-    # 56 steps from 15 requests down to 1 (the slowest last), 1.3 tokens each
-    drain = [(b, 1.3 * b, 0.037 + 0.002 * b) for b in (max(15 - i // 4, 1) for i in range(56))]
-    for batch, tokens, seconds in drain:
-        bandit.choose(batch)
-        bandit.observe(tokens, seconds)
-    bandit.end_drain()
-    excess = sum(s for _, _, s in drain) - sum(t for _, t, _ in drain) * t_c1 / (n * tau0)
-    ratio = excess / (L / tau0 * (t_half - t_c1 / 2))
-    assert 1.0 < ratio < 4.0
-    assert bandit.drains == [pytest.approx(ratio)]
-    assert bandit.drain_scale == pytest.approx((0.5 + ratio) / 1.5)
-    bandit.choose(n, lockstep=True, horizon=H)
-    after = bandit.lockstep_rate(4, "chain-1")
-    assert after < before and after == pytest.approx(
-        rate0 * t_c1 / (t_c1 + bandit.drain_scale * (t_half - t_c1 / 2) / H))
-    assert bandit.trace_record("plain", 4, [0.0, 0.0, 0])["drain_scale"] == round(
-        bandit.drain_scale, 3)
-    scale = bandit.drain_scale
+    def bandit_at(bucket):
+        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=0.030, b=0.001))
+        bandit._other[bucket] = {"plain": 0.003, "chain": 0.004}
+        bandit._draft[bucket] = ChainDraftCost()
+        bandit._draft[bucket].observe(1, 0.003)
+        bandit.observe_chain([1] * 100, [1] * 55 + [0] * 45)
+        return bandit
 
-    def watched(joins):
-        bandit.lockstep = False
-        assert bandit.choose(n, lockstep=True, horizon=8.0, waiting=n, lifetime=L) == "chain-1"
-        bandit.choose(12)
-        bandit.observe(17.0, 0.055)
-        joins()
-        bandit.choose(8)
-        bandit.observe(12.0, 0.050)
-        bandit.end_drain()
+    L = 64
+    step_c1 = lambda m: 0.030 + 0.001 * 2 * m + 0.007  # noqa: E731 (m requests running)
+    step_plain = lambda m: 0.030 + 0.001 * m + 0.003  # noqa: E731
 
-    watched(lambda: bandit.choose(13))                       # a request joined the drain
-    watched(lambda: bandit.choose(12, waiting=1))            # ... or waits to
-    watched(lambda: bandit.observe(4.0, 0.5, prefill=True))  # ... or its prompt ran
-    assert bandit.drain_scale == scale and len(bandit.drains) == 1
-    # without a lifetime (the runner's, out of lockstep) nothing is watched
-    bandit.lockstep = False
-    bandit.choose(n, lockstep=True, horizon=8.0, waiting=n)
-    bandit.choose(8)
-    bandit.observe(12.0, 0.050)
-    bandit.end_drain()
-    assert bandit.drain_scale == scale and len(bandit.drains) == 1
+    bandit = bandit_at(1)  # two requests
+    tau = bandit.chain_tokens(1, optimism=0.0)
+    bandit.choose(2, lockstep=True, horizon=1.0, waiting=0, lifetime=L)
+    model = bandit.lockstep_rate(1, "chain-1")
+    for _ in range(ShapeBandit.MIN_SPEEDS - 1):
+        bandit.observe_request_speed(1.0)
+    assert bandit.lockstep_rate(1, "chain-1") == model  # too few speeds: the model
+    bandit.observe_request_speed(1.0)
+    assert bandit.lockstep_rate(1, "chain-1") == pytest.approx(2 * tau / step_c1(2))
+    assert bandit.lockstep_rate(1, "chain-1") == pytest.approx(
+        bandit.rate(1, "chain-1", optimism=0.0))
+    # half the speeds 0.5, half 1.5: the two requests take the 25% and 75% quantiles
+    bandit.speeds = [0.5] * 8 + [1.5] * 8
+    fast, slow = L / (1.5 * tau), L / (0.5 * tau)
+    seconds = fast * step_c1(2) + (slow - fast) * step_c1(1)
+    assert bandit.lockstep_rate(1, "chain-1") == pytest.approx(2 * L / seconds)
+    assert bandit.trace_record("plain", 1, [0.0, 0.0, 0])["speeds"] == 16
+    # plain: one request queued behind two runs its round alone
+    bandit.choose(2, lockstep=True, horizon=1.5, waiting=1, lifetime=L)
+    assert bandit.lockstep_rate(1, "plain") == pytest.approx(
+        3 * L / (L * step_plain(2) + L * step_plain(1)))
+    # out of lockstep (no lifetime): rates as before
+    bandit.choose(2, lockstep=False)
+    assert bandit.lockstep_rate(1, "plain") == pytest.approx(2 / step_plain(2))
+    # one slot: no drain, each request's own steps
+    one = bandit_at(0)
+    one.speeds = [0.5] * 8 + [1.5] * 8
+    one.choose(1, lockstep=True, horizon=2.0, waiting=1, lifetime=L)
+    assert one.lockstep_rate(0, "chain-1") == pytest.approx(
+        2 * L / ((L / (0.5 * tau) + L / (1.5 * tau)) * step_c1(1)))
+
+    # batch 16, 4 rounds: the one-lifetime model puts chain-1 over plain's
+    # margin; requests spread as at batch 16 on AVX2 (lifetimes 24-54 steps
+    # around 35) leave plain best
+    wide = bandit_at(4)
+    wide.choose(16, lockstep=True, horizon=4.0, waiting=48, lifetime=L)
+    assert wide.best(4) == "chain-1"
+    wide.speeds = [0.65 + 0.05 * i for i in range(16)]  # 0.65 .. 1.40
+    assert wide.best(4) == "plain", (wide.lockstep_rate(4, "chain-1"),
+                                     wide.lockstep_rate(4, "plain"))
+    # ... which equal speeds would not
+    wide.speeds = [1.0] * 16
+    assert wide.best(4) == "chain-1"
 
 
 def test_shape_bandit_keeps_plain_in_lockstep_and_picks_again_when_it_is_gained():

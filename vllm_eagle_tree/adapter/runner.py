@@ -64,6 +64,12 @@ measured and predicted, ``ShapeBandit.trace_record``) to ``$VLLM_EAGLE2_TRACE.<p
 (one file per worker process; served engines too)."""
 
 
+MIN_SPEED_STEPS = 4
+"""A request that leaves after this many chain steps or more gives the shape
+bandit its speed (``ShapeBandit.observe_request_speed``: tokens emitted over
+the pooled estimate's), from which it simulates lockstep drains."""
+
+
 CHAIN_ACCEPTANCE_EVERY = 4
 """On steps that verify chains (no tree arm), the goodput planner learns
 acceptance from one step in this many (trees: every step)."""
@@ -150,6 +156,8 @@ class TreeRunnerMixin:
         self._held_steps: list[tuple[torch.Tensor, ...]] = []
         self._held_batch: list[str] | None = None
         self._fallback: dict[str, str | None] = {}  # tree_fallback_reason per live request
+        # per live request on chain steps: [tokens emitted, pooled estimate, steps]
+        self._speed: dict[str, list] = {}
         self._tree_step = _TreeStep()
         # target attention impls (set once the KV cache exists) and whether
         # they take the tree dispatch (TreeCPUAttentionImpl.serve_tree_rows)
@@ -330,15 +338,7 @@ class TreeRunnerMixin:
         the same whatever the arm: the bandit counts steps without them while
         there are any; otherwise their rows' share of the step (the
         verify-cost model's per-row cost) is taken out. Only decoding
-        requests and the tokens they emit are counted. A batch that turned
-        over (none of the last step's requests runs on) ends the lockstep
-        drain the bandit may be watching (``ShapeBandit.end_drain``)."""
-        ran_on = any(r in scheduler_output.num_scheduled_tokens for r in self._step_req_ids)
-        self._learn_step_times(now, ran_on)
-        if not ran_on:
-            self.tree_bandit.end_drain()
-
-    def _learn_step_times(self, now: float, ran_on: bool) -> None:
+        requests and the tokens they emit are counted."""
         whole = None
         if self._step_clock is not None and self._step_emitted > 0:
             # The engine waits for requests only when none is running: if
@@ -349,6 +349,7 @@ class TreeRunnerMixin:
             # before the pause between two `vllm bench serve` runs put the
             # chains' time outside the forward at ~2.4 s a step at batch 1,
             # which batch 4 borrowed: it kept plain for the whole next run.)
+            ran_on = any(r in scheduler_output.num_scheduled_tokens for r in self._step_req_ids)
             end = now if ran_on or self._step_end is None else self._step_end
             whole = end - self._step_clock
         forward = self._step_forward if self._step_verify is not None else None
@@ -406,6 +407,10 @@ class TreeRunnerMixin:
             # later prefix-cache hit on them (a multi-turn chat re-sending the
             # answer, a preempted request resuming) finds the head's KV there.
             self.tree_drafter.write_held(left)
+        for req_id in [r for r in self._speed if r not in live]:
+            emitted, expected, steps = self._speed.pop(req_id)
+            if steps >= MIN_SPEED_STEPS:
+                self.tree_bandit.observe_request_speed(emitted / expected)
         for cache in (self._trees, self._fallback):
             for req_id in [r for r in cache if r not in live]:
                 del cache[req_id]
@@ -579,7 +584,15 @@ class TreeRunnerMixin:
         self._record_tree_stats(tree, num_acc)
         if chain_length(self._draft_arm) is not None:
             # the head's greedy chains: what every chain arm's tokens are estimated from
-            self.tree_bandit.observe_chain([len(p) - 1 for p, _ in step.trees], num_acc)
+            drafted = [len(p) - 1 for p, _ in step.trees]
+            expected = {k: self.tree_bandit.chain_tokens(k, optimism=0.0) for k in set(drafted)}
+            for req_id, k, n in zip(step.req_ids, drafted, num_acc):
+                # each request's speed against the pooled estimate (its drain's share)
+                acc = self._speed.setdefault(req_id, [0.0, 0.0, 0])
+                acc[0] += n + 1
+                acc[1] += expected[k]
+                acc[2] += 1
+            self.tree_bandit.observe_chain(drafted, num_acc)
         elif self._draft_arm == "tree" and not bool(torch.isnan(tree.value).any()):
             # the greedy chain inside each tree, so that chain estimates follow
             # the text while the tree arm runs: its drafted length, and how

@@ -60,7 +60,7 @@ class TreeCPUWorker(CPUWorker):
                 "forward_speed": planner.forward_cost.speed,
                 "forward_shape": planner.forward_cost.profile(),
                 "arm": self.model_runner.tree_bandit.current,
-                "lockstep_drain_scale": self.model_runner.tree_bandit.drain_scale,
+                "request_speeds": list(self.model_runner.tree_bandit.speeds),
                 "last_plan": None if plan is None else vars(plan).copy(),
             }
         return stats

@@ -24,7 +24,9 @@ Used by the vLLM runner with ``"adaptive": true, "goodput": true``.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -828,13 +830,12 @@ class ShapeBandit:
         self.current = "chain-1"
         self.lockstep = False  # whether the batch of the last choose() was in lockstep
         self.horizon = 1.0  # its work left in rounds of the batch (choose)
-        # the lockstep drain, measured over the model's (drain_scale):
-        # [weight, weighted sum] of the drains measured, decayed by half per
-        # drain, with one pseudo-drain at 1 (the model as it stands) for prior
-        self._drain_scale = [1.0, 1.0]
-        self.drains: list[float] = []  # the last 32 drains' measured / modelled excess
-        # the drain being watched (a speculative pick broke a lockstep), None: none
-        self._drain_watch: dict | None = None
+        self.waiting = 0  # requests queued behind the batch (choose)
+        self.lifetime: float | None = None  # in lockstep, its requests' max_tokens (choose)
+        # the last finished requests' speeds: tokens they emitted on chain
+        # steps over the tokens the pooled acceptance expected of those steps
+        # (observe_request_speed; lockstep_rate simulates drains with them)
+        self.speeds: list[float] = []
         self._bucket = -1  # no window yet (every batch size is >= 0.75 octaves from it)
         # this window: [tokens, seconds, counted steps, requests] of its steps
         # without prefill rows ("clean") and of the others; and its steps so far
@@ -1089,87 +1090,121 @@ class ShapeBandit:
         plain (over the margin) in a fresh engine's first timed batch, the
         unbiased one 1.9% (under it)."""
         r = self.rate(bucket, arm, optimism=0.0)
-        if r is None or arm == "plain":
+        if r is None:
             return r
-        parts = self._drain_parts(bucket, arm)
-        if parts is None:
-            return r / (1.0 + self.speculation_margin)
-        t, extra = parts
-        return r * t / (t + self.drain_scale * extra / max(self.horizon, 1.0))
-
-    def _drain_parts(self, bucket: int, arm: str) -> tuple[float, float] | None:
-        """The model's full-batch step ``t(N)`` of a speculative ``arm`` and
-        what each of a drain's L / tau steps costs over the full batch's
-        rate, ``t(N / 2) - t(N) / 2`` (:meth:`lockstep_rate`); None: no model."""
+        run = self._lockstep_run(bucket, arm)
+        if run is not None:
+            return run
+        if arm == "plain":
+            return r
         t = self.model_seconds(bucket, arm)
         if t is None:
-            return None
+            return r / (1.0 + self.speculation_margin)
         n = float(1 << bucket)
         k = chain_length(arm)
         tree = self._tree.get(bucket, {})
         rows = n * (1 + k) if k is not None else n * tree["rows"]
         ratio = 1.0 if k is not None else tree["ratio"]
         half = t - ratio * (self.verify_cost(rows) - self.verify_cost(rows / 2))
-        return t, max(half - 0.5 * t, 0.0)
+        return r * t / (t + max(half - 0.5 * t, 0.0) / max(self.horizon, 1.0))
 
-    @property
-    def drain_scale(self) -> float:
-        """How much longer lockstep drains ran than :meth:`lockstep_rate`'s
-        model of them (1: as modelled), from the drains this engine measured
-        (:meth:`end_drain`).
+    MIN_SPEEDS = 16
+    """Finished requests' speeds needed before :meth:`_lockstep_run`
+    simulates a lockstep's work (until then, :meth:`lockstep_rate`'s model)."""
 
-        The model has the last round finish evenly over one lifetime at half
-        the batch. Requests' acceptance differs by their text, though, so
-        the slow ones finish last, at a small batch, with few tokens a step:
-        at batch 16 (AVX2, ``scripts/bench_shapes.py --shape
-        plain,chain-1,chain-2 --rounds 3 --batch 16 --requests 32``) the
-        drains lasted ~1.3 lifetimes, down to batch 1 for ten steps, and
-        cost 1.7-1.8x the model's excess; so chain-1 and chain-2, whose
-        full-batch steps ran 8% and 11% faster than plain's, ran whole
-        runs 4% and 7% slower, and the bandit, which predicted them 9%
-        faster in lockstep, chose them."""
-        return self._drain_scale[1] / self._drain_scale[0]
+    MAX_ROUNDS = 8
+    """Rounds of the batch a lockstep simulation runs at most (the queue
+    beyond them is left out: its drain weighs less and less)."""
 
-    def _watch_drain(self, batch_size: int, waiting: int) -> None:
-        """Follow the watched lockstep (:meth:`choose`): its drain begins once
-        no request waits and the batch is under its peak; a request that
-        joins after that (a served load: not a lockstep's drain) ends the
-        watch unmeasured."""
-        w = self._drain_watch
-        if w is None:
-            return
-        if w["phase"] == "full":
-            if waiting == 0 and batch_size < w["peak"]:
-                w["phase"] = "drain"
-        elif waiting > 0 or batch_size > w["last"]:
-            self._drain_watch = None
-            return
-        w["last"] = batch_size
+    def observe_request_speed(self, speed: float) -> None:
+        """A finished request's speed: the tokens it emitted on chain steps
+        over what the pooled chain acceptance expected of those steps
+        (:meth:`chain_tokens`; 1: as fast as the average request). The last
+        256 are kept for :meth:`_lockstep_run`."""
+        self.speeds = self.speeds[-255:] + [float(speed)]
 
-    def end_drain(self) -> None:
-        """The batch turned over (none of the last step's requests runs on):
-        a watched drain is over. Its excess, the seconds of its steps over
-        their tokens at the model's full-batch rate of the arm that broke
-        the lockstep, over the model's (``L / tau x (t(N / 2) - t(N) /
-        2)``, :meth:`lockstep_rate`), is one more measurement of
-        :attr:`drain_scale` (each weighs as much as all before it; at most
-        4)."""
-        w, self._drain_watch = self._drain_watch, None
-        if w is None or w["phase"] != "drain" or w["steps"] == 0:
-            return
-        b, arm = w["bucket"], w["arm"]
-        parts = self._drain_parts(b, arm)
+    def _lockstep_run(self, bucket: int, arm: str) -> float | None:
+        """Emitted tokens per second of the lockstep's work left on ``arm``,
+        simulated: the batch's N requests with the tokens they have left,
+        then the queued ones (``waiting``, :meth:`choose`; at most
+        :attr:`MAX_ROUNDS` rounds in all) with ``lifetime`` tokens each,
+        each taking its tokens over (its speed x the arm's tokens per
+        step) steps, a queued request starting on the first slot freed;
+        the steps' seconds are the model's (:meth:`model_seconds` parts) at
+        the number of requests running. Each request's speed is a quantile
+        of the finished requests' (:meth:`observe_request_speed`), the
+        quantiles dealt in a fixed shuffled order (the same on every TP
+        rank). Plain: every request's speed is 1 and tokens per step 1.
+        None: no lifetime (not in lockstep), fewer than :attr:`MIN_SPEEDS`
+        speeds, or no model for the arm.
+
+        Why: requests' acceptance differs by their text (a fast one emits
+        2.5 tokens a chain-2 step where a slow one emits 1.3), so a
+        lockstep broken by speculation does not finish evenly over one
+        lifetime at half the batch, as :meth:`lockstep_rate`'s model had
+        it: the slowest requests finish last, at a small batch. At batch
+        16, 32 requests of 64 tokens (AVX2, ``scripts/bench_shapes.py
+        --shape plain,chain-1,chain-2 --rounds 2 --batch 16 --requests
+        32``) the first round's requests finished from step 24 to step 54,
+        the drains took 47 steps a round (1.3 lifetimes) down to batch 1,
+        and chain-1 and chain-2, whose full-batch steps ran 8% and 11%
+        faster than plain's, ran whole runs 4% to 8% slower; at batch 4,
+        8 rounds, their drains cost about half what that model said."""
+        if self.lifetime is None or len(self.speeds) < self.MIN_SPEEDS \
+                or self.verify_cost is None:
+            return None
+        n = 1 << bucket
         k = chain_length(arm)
-        tau = self.tree_tokens(b, 0.0) if arm == "tree" else self.chain_tokens(k, 0.0)
-        if parts is None or tau is None or parts[1] <= 0.0:
-            return
-        t, extra = parts
-        model = w["lifetime"] / tau * extra
-        measured = w["seconds"] - w["tokens"] * t / (float(1 << b) * tau)
-        ratio = min(max(measured / model, 0.0), 4.0)
-        self.drains = self.drains[-31:] + [ratio]
-        weight, total = self._drain_scale
-        self._drain_scale = [0.5 * weight + 1.0, 0.5 * total + ratio]
+        if arm == "plain":
+            tau = 1.0
+            seconds = self.model_seconds(bucket, arm)
+            if seconds is None:
+                return None
+            fixed = seconds - self.verify_cost(float(n))
+            step = [fixed + self.verify_cost(float(m)) for m in range(n + 1)]
+        elif k is not None:
+            seconds = self.model_seconds(bucket, arm)
+            if seconds is None:
+                return None
+            tau = self.chain_tokens(k, optimism=0.0)
+            fixed = seconds - self.verify_cost(float(n * (1 + k)))
+            step = [fixed + self.verify_cost(float(m * (1 + k))) for m in range(n + 1)]
+        else:
+            t = self._tree.get(bucket)
+            tau = self.tree_tokens(bucket, 0.0)
+            if t is None or tau is None:
+                return None
+            fixed = t["other"] + t["draft"]
+            step = [fixed + t["ratio"] * self.verify_cost(m * t["rows"]) for m in range(n + 1)]
+        L = float(self.lifetime)
+        left = max(self.horizon - self.waiting / n, 0.0) * L  # tokens left per running request
+        queued = min(self.waiting, max(self.MAX_ROUNDS - 1, 0) * n)
+        work = [left] * n + [L] * queued
+        m = len(work)
+        order = list(range(m))
+        random.Random(m).shuffle(order)
+        ranked = sorted(self.speeds)
+        speeds = [1.0] * m if arm == "plain" else \
+            [ranked[min(int((q + 0.5) * len(ranked) / m), len(ranked) - 1)] for q in order]
+        # each request's steps; a queued one starts on the first slot freed
+        free: list[float] = []  # the running requests' ends (a heap)
+        spans = []
+        for i, tokens in enumerate(work):
+            start = heapq.heappop(free) if i >= n else 0.0
+            end = start + tokens / max(tau * speeds[i], 1e-6)
+            spans.append((start, end))
+            heapq.heappush(free, end)
+        edges = sorted({x for span in spans for x in span})
+        events = [(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans]
+        events.sort()
+        running, total, j = 0, 0.0, 0
+        for a, b in zip(edges, edges[1:]):
+            while j < len(events) and events[j][0] <= a:
+                running += events[j][1]
+                j += 1
+            if running > 0:
+                total += (b - a) * step[min(running, n)]
+        return sum(work) / total if total > 0.0 else None
 
     def _ranked(self, bucket: int, arm: str) -> float | None:
         """The rate arms are ranked by: :meth:`lockstep_rate` in lockstep,
@@ -1299,12 +1334,12 @@ class ShapeBandit:
         request's ``max_tokens``, plus the requests waiting over the batch
         size), over which :meth:`lockstep_rate` spreads the drain.
         ``waiting``: requests queued behind the batch; ``lifetime``: in
-        lockstep, the tokens a request of it is given (``max_tokens``): a
-        speculative pick then breaks the lockstep, and its drain is watched
-        (:meth:`end_drain`)."""
+        lockstep, the tokens a request of it is given (``max_tokens``; both
+        for :meth:`_lockstep_run`)."""
         b = self._sticky_bucket(batch_size)
         gained = lockstep and not self.lockstep
-        self._watch_drain(batch_size, waiting)
+        self.waiting = waiting
+        self.lifetime = lifetime if lockstep else None
         self.lockstep = lockstep
         self.horizon = horizon
         if b == self._bucket and not gained and self._acc["clean"][2] < self.window - 1 \
@@ -1315,11 +1350,6 @@ class ShapeBandit:
         self._close_window()
         self._bucket = b
         self.current = self._pick(b)
-        if lockstep and self.current != "plain" and lifetime \
-                and (self._drain_watch is None or gained):
-            self._drain_watch = {"peak": batch_size, "last": batch_size, "bucket": b,
-                                 "arm": self.current, "lifetime": float(lifetime),
-                                 "phase": "full", "seconds": 0.0, "tokens": 0.0, "steps": 0}
         self._steps = 1
         self._skip = True  # the window's first observation carries the previous arm's drafts
         if self.trace is not None:
@@ -1350,7 +1380,7 @@ class ShapeBandit:
             {a: None if r is None else round(r, 2) for a, r in ranked.items()},
             "step_ms": {a: None if x is None else round(1e3 * x, 2) for a, x in seconds.items()},
             "chain_tokens": [round(self.chain_tokens(k), 3) for k in range(1, len(self.reached) + 1)],
-            "drain_scale": round(self.drain_scale, 3),
+            "speeds": len(self.speeds),
         }
 
     def observe(self, tokens: float, seconds: float, requests: float | None = None,
@@ -1370,14 +1400,6 @@ class ShapeBandit:
         its own (hysteresis), and a run's drain passes through them:
         unscaled, plain measured at batch 10 in bucket 16 looks 28% slower
         than at 16 (a step of 20 ms + 0.65 ms per row, as measured live)."""
-        w = self._drain_watch
-        if w is not None and w["phase"] == "drain":  # a watched drain's step (end_drain)
-            if prefill:
-                self._drain_watch = None  # a request joined: not a lockstep's drain
-            else:
-                w["seconds"] += seconds
-                w["tokens"] += tokens
-                w["steps"] += 1
         if self._skip:
             self._skip = False
             return
