@@ -733,7 +733,8 @@ def test_shape_bandit_weighs_a_re_measured_arms_old_value_by_its_age():
 
 def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
     """best(): a more speculative arm must beat the best less speculative one
-    by margin (2%); in lockstep, without a cost model, a speculative arm's
+    by margin (2%); in lockstep, plain by lockstep_margin (10%: the pick
+    cannot be taken back), and without a cost model a speculative arm's
     rate is first taken over 1 + speculation_margin (10%, its drain)."""
     from vllm_eagle_tree.core.budget import ShapeBandit, chain_length
 
@@ -748,14 +749,14 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
             assert bandit.rate(0, a) == pytest.approx(r)
         return bandit.best(0)
 
-    bandit.lockstep = True  # a speculative arm must be 1.10 x 1.02 = 1.122 x plain
-    assert best(plain=100.0, tree=120.0) == "tree"  # arms not measured are skipped
-    assert best(plain=100.0, tree=112.0) == "plain"
-    assert best(plain=100.0, tree=112.3) == "tree"
-    assert best(plain=100.0, chain_2=113.0, tree=115.0) == "chain-2"  # tree < 1.02 * 113
-    assert best(plain=100.0, chain_2=113.0, tree=115.5) == "tree"
-    assert best(plain=100.0, chain_1=108.0, chain_2=112.1) == "plain"  # both < 1.122 * plain
-    assert best(plain=100.0, chain_1=108.0, chain_2=112.3) == "chain-2"
+    bandit.lockstep = True  # a speculative arm must be 1.10 x 1.10 = 1.21 x plain
+    assert best(plain=100.0, tree=125.0) == "tree"  # arms not measured are skipped
+    assert best(plain=100.0, tree=120.9) == "plain"
+    assert best(plain=100.0, tree=121.1) == "tree"
+    assert best(plain=100.0, chain_2=122.0, tree=124.0) == "chain-2"  # tree < 1.02 * 122
+    assert best(plain=100.0, chain_2=122.0, tree=124.5) == "tree"
+    assert best(plain=100.0, chain_1=115.0, chain_2=120.9) == "plain"  # both < 1.21 * plain
+    assert best(plain=100.0, chain_1=115.0, chain_2=121.1) == "chain-2"
     assert best(chain_1=50.0, chain_2=51.0) == "chain-1"
     assert best(chain_1=50.0, chain_2=51.1) == "chain-2"
     assert best() is None
@@ -765,7 +766,7 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
     assert best(plain=100.0, chain_1=102.1, chain_2=104.0) == "chain-1"  # < 1.02 * 102.1
     assert best(plain=100.0, chain_1=102.1, chain_2=104.2) == "chain-2"
     bandit.lockstep = True
-    bandit.speculation_margin = bandit.margin = 0.0
+    bandit.speculation_margin = bandit.margin = bandit.lockstep_margin = 0.0
     assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "chain-2"
 
 
@@ -784,8 +785,8 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     lockstep for good: nothing to learn by trying it)."""
     from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
 
-    def bandit_at(bucket, a, b):
-        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=a, b=b))
+    def bandit_at(bucket, a, b):  # (the margin over plain as out of lockstep: the drain alone)
+        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=a, b=b), lockstep_margin=0.02)
         bandit._other[bucket] = {"plain": 0.003, "chain": 0.004}
         bandit._draft[bucket] = ChainDraftCost()
         bandit._draft[bucket].observe(1, 0.003)
@@ -844,8 +845,9 @@ def test_shape_bandit_simulates_the_lockstep_work_with_request_speeds():
     the one-lifetime drain model put ahead of plain into a loss."""
     from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
 
-    def bandit_at(bucket):
-        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=0.030, b=0.001))
+    def bandit_at(bucket):  # (the margin over plain as out of lockstep: the simulation alone)
+        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=0.030, b=0.001),
+                             lockstep_margin=0.02)
         bandit._other[bucket] = {"plain": 0.003, "chain": 0.004}
         bandit._draft[bucket] = ChainDraftCost()
         bandit._draft[bucket].observe(1, 0.003)
@@ -896,9 +898,16 @@ def test_shape_bandit_simulates_the_lockstep_work_with_request_speeds():
     wide.speeds = [0.65 + 0.05 * i for i in range(16)]  # 0.65 .. 1.40
     assert wide.best(4) == "plain", (wide.lockstep_rate(4, "chain-1"),
                                      wide.lockstep_rate(4, "plain"))
-    # ... which equal speeds would not
+    # ... which equal speeds would not: no drain, chain-1's full 10% lead
     wide.speeds = [1.0] * 16
     assert wide.best(4) == "chain-1"
+    # a narrower spread (0.85 .. 1.15) leaves chain-1 ahead by 2-10%: over
+    # the margin out of lockstep, under the default lockstep margin (10%)
+    wide.speeds = [0.85 + 0.02 * i for i in range(16)]
+    assert 1.02 < wide.lockstep_rate(4, "chain-1") / wide.lockstep_rate(4, "plain") < 1.10
+    assert wide.best(4) == "chain-1"
+    wide.lockstep_margin = ShapeBandit(max_depth=2).lockstep_margin
+    assert wide.lockstep_margin == 0.10 and wide.best(4) == "plain"
 
 
 def test_shape_bandit_keeps_plain_in_lockstep_and_picks_again_when_it_is_gained():

@@ -734,7 +734,8 @@ class ShapeBandit:
     So while the batch is in lockstep (:meth:`choose`) the arms are ranked
     by :meth:`lockstep_rate`, each speculative arm's rate over the work
     still to do (the batch's tokens left and the requests queued behind
-    it) with that drain at its end, and with plain best no other arm is
+    it) with that drain at its end (simulated from finished requests'
+    speeds: the slow ones finish last, :meth:`_lockstep_run`), and with plain best no other arm is
     explored (one window of it would break the lockstep). On the AVX-512
     host, batch 16, 64 requests of 64 tokens (4 rounds), chain-1's
     full-batch steps ran 13% faster than plain's and its whole run 2-4%
@@ -746,7 +747,8 @@ class ShapeBandit:
     (requests of different lengths, as a server's are, or broken already)
     there is nothing left to lose: arms are ranked by :meth:`rate`. Either
     way a more speculative arm must be ``margin`` (2%) faster than the best
-    less speculative one (a smaller difference may be noise).
+    less speculative one (a smaller difference may be noise), and in
+    lockstep faster than plain by ``lockstep_margin`` (10%, :meth:`best`).
 
     Exploring costs throughput, so it is a local search over the arms in
     order of how much they speculate (plain < chain-1 < ... < chain-D <
@@ -796,6 +798,7 @@ class ShapeBandit:
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
                  decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.10,
+                 lockstep_margin: float = 0.10,
                  verify_cost: LinearCost | DriftingCost | None = None):
         # the target forward's seconds vs query rows: scales steps to the
         # bucket's size, and predicts plain and chain steps (model_seconds)
@@ -806,6 +809,7 @@ class ShapeBandit:
         self.decay = decay
         self.margin = margin
         self.speculation_margin = speculation_margin
+        self.lockstep_margin = lockstep_margin
         # bucket -> arm -> [tokens, seconds, windows, requests] (per-step EMAs;
         # windows: a count)
         self.stats: dict[int, dict[str, list[float]]] = {}
@@ -1060,7 +1064,9 @@ class ShapeBandit:
     def lockstep_rate(self, bucket: int, arm: str) -> float | None:
         """:meth:`rate`, over the work left to a batch in lockstep (``horizon``
         rounds of it, :meth:`choose`) when that work ends in the drain
-        speculating leaves (the class docstring). Once requests finish one
+        speculating leaves (the class docstring). Once finished requests'
+        speeds are known, that work is simulated (:meth:`_lockstep_run`,
+        plain's too); until then, this model of it. Once requests finish one
         by one and are replaced as they go, they soon finish at any step,
         and the last round drains from N requests to 0 over about one
         request's lifetime (L / tau steps; at batch 16 on this host, 4
@@ -1215,11 +1221,24 @@ class ShapeBandit:
         """The bucket's fastest measured arm (None: nothing measured) by
         :meth:`_ranked`, in order of how much they speculate, where a more
         speculative arm must be ``margin`` faster than the best less
-        speculative one (see the class docstring)."""
+        speculative one (see the class docstring); in lockstep, faster than
+        plain by ``lockstep_margin``.
+
+        In lockstep a speculative pick cannot be taken back (it breaks the
+        lockstep for good), and :meth:`_lockstep_run`'s simulation leaves
+        out what the queued prompts cost when they are prefilled one by one
+        among the decodes, and rests on one moment's forward model. At batch
+        16 on AVX2 (``scripts/bench_paired.py --interleave --restart-every
+        2 --batch-sizes 4 16 64 --rounds 6``) it put chain-1 2-8% over
+        plain at the cells' first picks in 4 of 6 rounds, and those rounds
+        ran 0.83-0.97 of vanilla where the plain ones ran 0.96-0.98; at
+        batch 4 it puts chain-2 ~27% over plain, which holds (1.3x
+        vanilla)."""
         best, best_rate = None, 0.0
         for a in self.arms:
             r = self._ranked(bucket, a)
-            if r is not None and (best is None or r > (1.0 + self.margin) * best_rate):
+            m = self.lockstep_margin if self.lockstep and best == "plain" else self.margin
+            if r is not None and (best is None or r > (1.0 + m) * best_rate):
                 best, best_rate = a, r
         return best
 
