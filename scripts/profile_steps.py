@@ -121,6 +121,14 @@ def main():
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="cProfile the runner's step methods outside the forward and print "
                          "the N functions of most cumulative time per run (0: off)")
+    ap.add_argument("--cprofile-sort", default="cumulative", choices=("cumulative", "tottime"),
+                    help="order of --cprofile's list (tottime: time in the function itself)")
+    ap.add_argument("--cprofile-only", default=None, metavar="REGEX",
+                    help="list only functions whose file:line(name) matches REGEX, "
+                         "e.g. vllm_eagle_tree (before the N cut)")
+    ap.add_argument("--cprofile-dump", default=None, metavar="PREFIX",
+                    help="also write each run's raw profile to PREFIX.<run>.<shape>.prof "
+                         "(for pstats: callers, callees)")
     args = ap.parse_args()
     for shape in args.shapes:  # checked before any engine starts
         if shape.startswith("fixed-") and not re.fullmatch(r"fixed-\d+x\d+x\d+", shape):
@@ -219,9 +227,13 @@ def main():
             print(f"   {k:38s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call")
         if args.cprofile:
             text = io.StringIO()
-            pstats.Stats(timers.profile, stream=text).sort_stats("cumulative").print_stats(
-                args.cprofile)
+            restrict = ([args.cprofile_only] if args.cprofile_only else []) + [args.cprofile]
+            pstats.Stats(timers.profile, stream=text).sort_stats(args.cprofile_sort).print_stats(
+                *restrict)
             print(text.getvalue())
+            if args.cprofile_dump:
+                run.count = getattr(run, "count", 0) + 1
+                timers.profile.dump_stats(f"{args.cprofile_dump}.{run.count}.{shape}.prof")
             timers.profile = cProfile.Profile()
 
     if args.keep_alive:  # one engine per distinct shape, all alive, then the runs in order
