@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+import torch
 from vllm import SamplingParams
 
 from vllm_eagle_tree import assets
@@ -410,7 +411,27 @@ def _force_arms(worker, arms, fast):
         return out
 
     drafter.draft = draft
+    # every ready-made set of fused-op arguments (the chain fast path's) must
+    # be what TreeAttention derives from its own fields
+    from vllm_eagle_tree.adapter.attention import TreeAttention
+    if not hasattr(TreeAttention, "_test_with_op_args"):
+        TreeAttention._test_with_op_args = TreeAttention.with_op_args
+    checked = runner._test_op_args = []
+
+    def with_op_args(*args, **kwargs):
+        attn = TreeAttention._test_with_op_args(*args, **kwargs)
+        derived = attn._fused_args()
+        checked.append(all(a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b)
+                           for a, b in zip(attn._op_args, derived, strict=True)))
+        return attn
+
+    TreeAttention.with_op_args = with_op_args
     return True
+
+
+def _op_args_log(worker):
+    """Whether each chain-step attention's ready-made arguments equalled _fused_args's."""
+    return list(worker.model_runner._test_op_args)
 
 
 def _drafts_log(worker):
@@ -461,6 +482,10 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
             got = run(llm, PROMPTS[:16], GREEDY)
             assert_same(got, vanilla_greedy_200[:16], f"chain-3, fast path {fast}")
             logs.append(llm.collective_rpc(_drafts_log)[0])
+            op_args = llm.collective_rpc(_op_args_log)[0]
+            # chain-3: two head forwards a step with ready-made op arguments,
+            # in the fast path and in expand_tree's step_fn alike
+            assert len(op_args) > 20 and all(op_args), (len(op_args), op_args.count(False))
         # requests leave the runner at the next step: a 2-token request (one
         # chain step, no speed of its own) takes the last ones out
         run(llm, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
@@ -472,6 +497,7 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
         got = run(llm, PROMPTS[:32], GREEDY)
         d = _speculated(llm, before)
         mixed = llm.collective_rpc(_drafts_log)[0]
+        mixed_op_args = llm.collective_rpc(_op_args_log)[0]
         dispatch = llm.collective_rpc(attention_dispatch_log)[0]
         g = llm.collective_rpc("eagle2_stats")[0]["goodput"]
         assert llm.collective_rpc(_record_lockstep) == [True]
@@ -488,6 +514,9 @@ def test_goodput_chain_arms_and_every_arm_mix(vanilla_greedy_200):
         assert arm == arm2 == "chain-3" and p == p2 == [-1, 0, 1, 2] and t == t2
         assert v == pytest.approx(v2, abs=1e-5) and v[0] == 0.0
     assert_same(got, vanilla_greedy_200[:32], "arm changing every step")
+    # the chain and tree arms' head forwards take ready-made op arguments
+    assert len(mixed_op_args) > 50 and all(mixed_op_args), \
+        (len(mixed_op_args), mixed_op_args.count(False))
     # the runner's lockstep: requests with the same number of tokens left
     # (equal max_tokens, started together) until they finish together; with
     # 8 and 12 tokens, only once the 8-token ones have finished; never alone

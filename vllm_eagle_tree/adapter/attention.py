@@ -56,6 +56,21 @@ class TreeAttention:
     tree_mask: torch.Tensor
     block_table: torch.Tensor
 
+    @classmethod
+    def with_op_args(cls, rows: torch.Tensor, cu_q_lens: torch.Tensor, seq_lens: torch.Tensor,
+                     tree_lens: torch.Tensor, tree_mask: torch.Tensor, block_table: torch.Tensor,
+                     op_args: tuple[torch.Tensor, ...]) -> "TreeAttention":
+        """As the constructor, with the fused op's index tensors given ready
+        (what :meth:`_fused_args` derives from the fields: int64 rows, int32
+        block table, int64 request of each row, int64 keys before the tree,
+        int64 tree lengths, int32 mask; all contiguous), for a caller that
+        has them at hand every step (the chain drafter: a dozen tensor ops
+        less per head forward). A test holds them equal to ``_fused_args``'s."""
+        attn = cls(rows=rows, cu_q_lens=cu_q_lens, seq_lens=seq_lens, tree_lens=tree_lens,
+                   tree_mask=tree_mask, block_table=block_table)
+        attn._op_args = op_args
+        return attn
+
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
                output: torch.Tensor) -> None:
         """Write the tree rows of ``output [N, Hq, D]`` from ``query [N, Hq, D]``.

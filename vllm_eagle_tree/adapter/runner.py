@@ -464,10 +464,10 @@ class TreeRunnerMixin:
         step = self._tree_step
         if not step or step.tree is None:
             return None
-        sizes = step.tree.sizes
         keep = step.masked
-        if not keep:
+        if not keep:  # chains and lone roots: vLLM's causal attention (before any tensor op)
             return None
+        sizes = step.tree.sizes
         sub = TreeBatch.cat([step.tree.request(b) for b in keep])
         rows = torch.cat([step.q_start[b] + torch.arange(int(sizes[b])) for b in keep])
         return TreeAttention(
@@ -513,9 +513,13 @@ class TreeRunnerMixin:
         step = self._tree_step
         num_reqs = self.input_batch.num_reqs
         width = int(max(spec_decode_metadata.num_draft_tokens)) + 1
-        sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
+        # every request a tree request (batch_index is then 0..num_reqs-1):
+        # the sampled rows are the tree rows built below
+        all_trees = len(step.batch_index) == num_reqs
+        sampled = None if all_trees else \
+            torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
         logprobs = None
-        if len(step.batch_index) < num_reqs:
+        if not all_trees:
             # Tree requests' seeded generators must not advance for the unused
             # plain sample of their rows (same seed, same text, any batch).
             gens = [self.requests[r].generator for r in step.req_ids]
@@ -533,9 +537,8 @@ class TreeRunnerMixin:
                 rows = torch.arange(num_reqs, device=lp.logprobs.device).repeat_interleave(width)
                 logprobs = LogprobsTensors(lp.logprob_token_ids[rows], lp.logprobs[rows],
                                            lp.selected_token_ranks[rows])
-        out = SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         if not step:
-            return out
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         assert spec_decode_metadata is not None
         tree = step.tree
         idx = step.batch_index
@@ -558,16 +561,20 @@ class TreeRunnerMixin:
         res = verify(tree, tree_logits, torch.from_numpy(batch.temperature_cpu[idx]),
                      torch.from_numpy(batch.top_k_cpu[idx]),
                      torch.from_numpy(batch.top_p_cpu[idx]), gens, chain_length=chain)
-        sampled = out.sampled_token_ids
         num_acc = res.num_accepted.tolist()
         self._step_emitted += sum(num_acc)
         # each tree request's row: accepted tokens, the bonus token, then -1
-        D = res.accepted_tokens.shape[1]
-        emitted = torch.cat([res.accepted_tokens, torch.full((len(num_acc), 1), -1)], 1)
-        emitted[torch.arange(len(num_acc)), res.num_accepted] = res.bonus_token
-        sampled[step.batch_index] = -1
-        sampled[step.batch_index, :D + 1] = emitted.to(sampled.dtype)
+        # (built as lists: tensor ops cost ~20 us each here)
         nodes, bonus = res.accepted_nodes.tolist(), res.bonus_token.tolist()
+        acc_tokens = res.accepted_tokens.tolist()
+        emitted = torch.tensor([acc_tokens[j][:n] + [bonus[j]] + [-1] * (width - 1 - n)
+                                for j, n in enumerate(num_acc)],
+                               dtype=torch.int32, device=logits.device)
+        if all_trees:
+            sampled = emitted
+        else:
+            sampled[idx] = emitted
+        out = SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
         move = []
         for j, i in enumerate(step.batch_index):
             path = nodes[j][:num_acc[j]]
@@ -581,7 +588,7 @@ class TreeRunnerMixin:
                 [step.batch_index[j] for j in move]]
             self._compact_kv(bt, tree.context_len[move], res.num_accepted[move],
                              res.accepted_nodes[move])
-        self._record_tree_stats(tree, num_acc)
+        self._record_tree_stats(tree, num_acc, chain)
         if chain_length(self._draft_arm) is not None:
             # the head's greedy chains: what every chain arm's tokens are estimated from
             drafted = [len(p) - 1 for p, _ in step.trees]
@@ -621,13 +628,20 @@ class TreeRunnerMixin:
                 caches.append(kv)
         return caches
 
-    def _record_tree_stats(self, tree: TreeBatch, num_accepted: list[int]) -> None:
+    def _record_tree_stats(self, tree: TreeBatch, num_accepted: list[int],
+                           chain: int | None = None) -> None:
+        """Count the step's trees; ``chain``: every tree is a chain of that
+        many nodes (its depths counted without a tensor op)."""
         s = self.tree_stats
         s["steps"] += 1
         s["tree_requests"] += tree.num_requests
         s["nodes"] += tree.total - tree.num_requests
-        depth_counts = torch.bincount(tree.depth.long(),
-                                      minlength=len(s["drafted_per_depth"]) + 1).tolist()
+        if chain is not None:
+            depth_counts = [0] + [tree.num_requests] * (chain - 1) \
+                + [0] * (len(s["drafted_per_depth"]) + 1 - chain)
+        else:
+            depth_counts = torch.bincount(tree.depth.long(),
+                                          minlength=len(s["drafted_per_depth"]) + 1).tolist()
         for d in range(1, len(s["drafted_per_depth"]) + 1):
             s["drafted_per_depth"][d - 1] += depth_counts[d]
         for n in num_accepted:

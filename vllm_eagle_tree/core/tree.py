@@ -9,6 +9,7 @@ Everything here is plain PyTorch on whatever device the tensors live on.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -16,6 +17,13 @@ from typing import Sequence
 import torch
 
 __all__ = ["TreeBatch", "pack_bits"]
+
+
+@functools.lru_cache(maxsize=8)
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """int64 [32]: 1 << j (cached per device; read only)."""
+    return torch.ones(32, dtype=torch.int64, device=device) << torch.arange(
+        32, dtype=torch.int64, device=device)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -30,9 +38,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     if pad:
         mask = torch.nn.functional.pad(mask, (0, pad))
     bits = mask.reshape(*mask.shape[:-1], w, 32).to(torch.int64)
-    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(
-        32, dtype=torch.int64, device=mask.device)
-    words = (bits * weights).sum(-1)
+    words = (bits * _bit_weights(mask.device)).sum(-1)
     # Reinterpret the unsigned 32-bit value as two's-complement int32.
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32)
@@ -119,18 +125,27 @@ class TreeBatch:
             raise ValueError(f"values give {len(flat_vals)} entries for {cu[-1]} nodes")
         if context_len is None:
             context_len = [0] * len(parents)
+        if isinstance(context_len, torch.Tensor):
+            ctx = context_len.to(dtype=torch.int32, device=device).reshape(-1).clone()
+            negative = bool((ctx < 0).any())
+        else:  # a list (the runner's, every step): checked without tensor ops
+            ctx = torch.tensor(context_len, dtype=torch.int32, device=device).reshape(-1)
+            negative = any(c < 0 for c in context_len)
+        if negative:
+            raise ValueError("context_len must be >= 0")
         tree = cls(
             cu_nodes=torch.tensor(cu, dtype=torch.int32, device=device),
             token=torch.tensor([int(x) for t in tokens for x in t], dtype=torch.int64, device=device),
             parent=torch.tensor([int(x) for p in parents for x in p], dtype=torch.int32, device=device),
             depth=torch.tensor(depth, dtype=torch.int32, device=device),
             value=torch.tensor(flat_vals, dtype=torch.float32, device=device),
-            context_len=torch.as_tensor(context_len, dtype=torch.int32, device=device).reshape(-1).clone(),
+            context_len=ctx,
         )
         # Every invariant validate() checks holds by construction or was checked
-        # above (per-step cost: the runner builds one batch every step).
-        if bool((tree.context_len < 0).any()):
-            raise ValueError("context_len must be >= 0")
+        # above (per-step cost: the runner builds one batch every step). The
+        # shapes known here are cached now rather than read back from tensors.
+        tree.__dict__["total"] = cu[-1]
+        tree.__dict__["max_depth"] = max(depth, default=0)
         return tree
 
     @classmethod
