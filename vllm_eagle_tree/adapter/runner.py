@@ -423,7 +423,7 @@ class TreeRunnerMixin:
                     continue
                 q0 = int(qsl[i])
                 ctx = int(self.input_batch.num_computed_tokens_cpu[i])
-                root = int(self.input_ids.cpu[q0])
+                root = int(self.input_ids.np[q0])  # numpy: an element read is no tensor op
                 parents, tokens, values = tree_from_cache(self._trees.get(req_id), drafts, root)
                 step.batch_index.append(i)
                 step.req_ids.append(req_id)
@@ -689,7 +689,7 @@ class TreeRunnerMixin:
         sampled = sampled_token_ids.tolist() if torch.is_tensor(sampled_token_ids) \
             else sampled_token_ids
         # the step's slots, read once (a per-request slice costs ops at batch 64)
-        flat_slots = self.input_batch.block_table[0].slot_mapping.cpu[
+        flat_slots = self.input_batch.block_table[0].slot_mapping.np[
             :int(qsl[num_reqs])].tolist()
         max_len = self.max_model_len
         scratch = self.eagle2.draft_scratch_slots
@@ -712,7 +712,7 @@ class TreeRunnerMixin:
                 nodes, bonus = step.accepted[i]
                 src = [q0] + [q0 + a for a in nodes]
                 if nodes:  # one read of the request's rows (element reads cost an op each)
-                    ids = self.input_ids.cpu[q0:q0 + nodes[-1] + 1].tolist()
+                    ids = self.input_ids.np[q0:q0 + nodes[-1] + 1].tolist()
                     nxt = [ids[a] for a in nodes] + [bonus]
                 else:
                     nxt = [bonus]
@@ -724,7 +724,7 @@ class TreeRunnerMixin:
                     valid = [t for t in sampled[i] if t >= 0]
                     nxt_tok = valid[-1]
                 nxt = [int(nxt_tok)] if n_sched == 1 else \
-                    self.input_ids.cpu[q0 + 1:q0 + n_sched].tolist() + [int(nxt_tok)]
+                    self.input_ids.np[q0 + 1:q0 + n_sched].tolist() + [int(nxt_tok)]
             m = len(src)
             commit = ctx + m
             grow = (not discard[i]) and commit + scratch < max_len and not skip
