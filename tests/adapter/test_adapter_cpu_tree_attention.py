@@ -384,24 +384,29 @@ def test_padded_tree_attention_equals_reference(seed):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group, d, max_q, max_ctx", [(2, 64, 12, 90), (3, 36, 40, 60)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_fused_cpu_op_equals_reference(seed, dtype):
+def test_fused_cpu_op_equals_reference(seed, dtype, group, d, max_q, max_ctx):
     """The fused C++ op (cpu_tree_attention.cpp) on vLLM's CPU_ATTN cache
     layout equals the per-request reference and the PyTorch plan: random
     trees, GQA, contexts across block boundaries and empty contexts, tree_lens
     wider than the queries (draft steps), tree rows scattered among other rows
-    of the query/output tensors, which it must leave untouched."""
+    of the query/output tensors, which it must leave untouched. The second
+    shape: three query heads a KV head and a head size of 36 (neither a
+    multiple of the op's four queries or eight lanes), trees of up to 39 rows
+    (several row tiles of a request; masks over more than 32 tree keys)."""
     from vllm_eagle_tree.adapter.attention import TreeAttention
     from vllm_eagle_tree.triton_kernels.tree_attention import tree_attention_ref
 
     op = cta.load_cpu_tree_op()
     assert op is not None, "the fused CPU tree attention did not build (see the warning)"
     g = torch.Generator().manual_seed(seed)
-    B, page, hkv, group, d, nb = 5, [16, 32][seed % 2], 2, 2, 64, 40
+    B, page, hkv, nb = 5, [16, 32][seed % 2], 2, 40
     kv = torch.randn(nb, hkv, page, 2 * d, generator=g).to(dtype)
     kc, vc = cta.cpu_kv_views(kv)
-    tl, ctx, bt, cu, mask = _random_tree_requests(g, B, nb, max_q=12, max_ctx=90, wide=seed % 2)
+    tl, ctx, bt, cu, mask = _random_tree_requests(g, B, nb, max_q=max_q, max_ctx=max_ctx,
+                                                  wide=seed % 2)
     ctx[0] = 0
     L = ctx + tl
     Q = int(cu[-1])
@@ -415,6 +420,9 @@ def test_fused_cpu_op_equals_reference(seed, dtype):
     out = torch.full((N, hkv * group, d), 7.0, dtype=dtype)
     attn.attend(q, kv, 0.3, out)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert bool(((ctx + tl) <= bt.shape[1] * page).all())
+    if max_q > 33:
+        assert int((cu.diff() > 16).sum()) > 0 and mask.shape[1] > 1  # what the shape is for
     torch.testing.assert_close(out[rows].float(), ref, **tol)
     others = torch.ones(N, dtype=torch.bool)
     others[rows] = False
