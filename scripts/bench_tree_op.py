@@ -30,7 +30,7 @@ import torch
 
 from vllm_eagle_tree.adapter import cpu_tree_attention as cta
 from vllm_eagle_tree.adapter.attention import TreeAttention
-from vllm_eagle_tree.core.tree import pack_bits
+from vllm_eagle_tree.core.tree import TreeBatch
 
 
 def build_case(batch: int, nodes: int, context: int, gen: torch.Generator):
@@ -39,23 +39,15 @@ def build_case(batch: int, nodes: int, context: int, gen: torch.Generator):
     nb = batch * per_req + 1
     kv = torch.randn(nb, Hkv, bs, 2 * D, generator=gen)
     bt = torch.randperm(nb - 1, generator=gen)[: batch * per_req].view(batch, per_req).int() + 1
-    masks = []
-    for _ in range(batch):
-        parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
-        m = torch.zeros(nodes, nodes, dtype=torch.bool)
-        for i in range(nodes):
-            j = i
-            while j >= 0:
-                m[i, j] = True
-                j = parent[j]
-        masks.append(m)
-    mask = pack_bits(torch.cat(masks))
-    T = batch * nodes
-    q = torch.randn(T, Hq, D, generator=gen)
-    attn = TreeAttention(rows=torch.arange(T), cu_q_lens=torch.arange(batch + 1, dtype=torch.int32) * nodes,
-                         seq_lens=torch.full((batch,), context + nodes, dtype=torch.int32),
-                         tree_lens=torch.full((batch,), nodes, dtype=torch.int32),
-                         tree_mask=mask, block_table=bt)
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+               for _ in range(batch)]
+    tree = TreeBatch.from_parents(parents, [list(range(nodes))] * batch,
+                                  context_len=[context] * batch)
+    q = torch.randn(tree.total, Hq, D, generator=gen)
+    attn = TreeAttention(rows=torch.arange(tree.total), cu_q_lens=tree.cu_nodes,
+                         seq_lens=(tree.context_len + tree.sizes).to(torch.int32),
+                         tree_lens=tree.sizes.to(torch.int32), tree_mask=tree.packed_mask(),
+                         block_table=bt)
     return q, kv, attn
 
 
@@ -78,8 +70,7 @@ def load_baseline(src: Path):
         .replace("TORCH_LIBRARY_IMPL(eagle_tree,", "TORCH_LIBRARY_IMPL(eagle_tree_base,")
     d = Path(tempfile.mkdtemp())
     (d / "base.cpp").write_text(text)
-    load(name="eagle_tree_base_op", sources=[str(d / "base.cpp")],
-         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+    load(name="eagle_tree_base_op", sources=[str(d / "base.cpp")], **cta.CPU_OP_BUILD_FLAGS,
          is_python_module=False, verbose=False)
     return torch.ops.eagle_tree_base.tree_attention
 

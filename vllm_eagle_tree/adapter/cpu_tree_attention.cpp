@@ -22,8 +22,8 @@
 // query heads that share the KV head, the scores of a block are one small
 // matrix product, and their exponentials are taken eight at a time with
 // ATen's vectorized exp (SLEEF, 1-ulp) where the host has AVX2 and FMA.
-// (Per (row, query head) with a scalar exp, as before, the op took ~2x
-// vLLM's attention at batch 1: scripts/bench_tree_op.py.)
+// (Per (row, query head) with a scalar exp, as before, the op took 2.4-4.8x
+// as long on an AVX2 host: scripts/bench_tree_op.py.)
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
 #define CPU_CAPABILITY AVX2

@@ -57,6 +57,12 @@ KNOWN_ISAS = ("vec", "vec16")
 logger = logging.getLogger(LOGGER_NAME)
 
 
+# compiler flags of the fused op's build (also scripts/bench_tree_op.py's
+# baseline build, so that the two are compared as built alike)
+CPU_OP_BUILD_FLAGS = dict(extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"])
+
+
 @functools.lru_cache(maxsize=None)
 def load_cpu_tree_op():
     """The fused C++ tree attention ``torch.ops.eagle_tree.tree_attention``
@@ -75,8 +81,7 @@ def load_cpu_tree_op():
 
         load(name="eagle_tree_cpu_tree_attention",
              sources=[str(Path(__file__).with_suffix(".cpp"))],
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+             **CPU_OP_BUILD_FLAGS, is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...
         logger.warning("eagle2: could not build the fused CPU tree attention (%s: %s); using the "
                        "PyTorch plan, which gives the same results more slowly. Set %s=0 to "
