@@ -54,7 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 RUNNER = ("execute_model", "_prepare_inputs", "_build_attention_metadata", "_model_forward",
-          "sample_tokens", "_sample", "propose_draft_token_ids", "_bookkeeping_sync")
+          "sample_tokens", "_sample", "propose_draft_token_ids", "_bookkeeping_sync",
+          "_calc_spec_decode_metadata", "_learn_last_step", "_lockstep_horizon",
+          "_hold_plain_decodes", "_flush_held_steps")
 TREE_DRAFTER = ("draft", "_run", "_write_kv", "_draft_chain", "_logprobs")
 PLANNER = ("observe_acceptance", "observe_verify", "prune")
 BANDIT = ("choose", "observe", "observe_chain")
