@@ -59,7 +59,7 @@ RUNNER = ("execute_model", "_prepare_inputs", "_build_attention_metadata", "_mod
           "_hold_plain_decodes", "_flush_held_steps")
 TREE_DRAFTER = ("draft", "_run", "_write_kv", "_draft_chain", "_logprobs")
 PLANNER = ("observe_acceptance", "observe_verify", "prune")
-BANDIT = ("choose", "observe", "observe_chain")
+BANDIT = ("choose", "observe", "observe_chain", "_pick", "_lockstep_run", "trace_record")
 VLLM_DRAFTER = ("propose",)
 PROFILED = ("_prepare_inputs", "_build_attention_metadata", "_sample", "propose_draft_token_ids")
 SCHEDULER = ("schedule", "update_from_output")

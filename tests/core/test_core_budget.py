@@ -1798,3 +1798,54 @@ def test_shape_bandit_depth_optimism_gives_way_when_depth_2_keeps_failing():
     assert chosen[10:].count("chain-1") >= 23, chosen
     assert set(chosen[10:]) <= {"chain-1", "chain-2"}, chosen
     assert bandit.best(0) == "chain-1", chosen
+
+
+def test_shape_bandit_ranks_each_arm_once_a_pick_and_picks_as_without():
+    """choose() computes each arm's ranking rate (a lockstep simulation in
+    lockstep) once per pick, for the pick and its trace record alike: over
+    a scripted run in and out of lockstep, with speeds, queues and timed
+    steps, the picks and trace records equal those of a bandit that
+    recomputes every rate each time it is asked, with fewer simulations."""
+    import random as _random
+
+    from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
+
+    class Recomputing(ShapeBandit):
+        def _ranked(self, bucket, arm):
+            return self.lockstep_rate(bucket, arm) if self.lockstep else self.rate(bucket, arm)
+
+    def run(cls):
+        bandit = cls(max_depth=3, verify_cost=LinearCost(a=0.030, b=0.001), explore_every=2)
+        for b in (2, 4):
+            bandit._other[b] = {"plain": 0.003, "chain": 0.004}
+            bandit._draft[b] = ChainDraftCost()
+            bandit._draft[b].observe(1, 0.003)
+        bandit.observe_chain([1] * 100, [1] * 60 + [0] * 40)
+        bandit.speeds = [0.7 + 0.04 * i for i in range(16)]
+        records, runs = [], [0]
+        bandit.trace = records.append
+        simulate = bandit._lockstep_run
+
+        def counted(*a):
+            runs[0] += 1
+            return simulate(*a)
+
+        bandit._lockstep_run = counted
+        rng = _random.Random(3)
+        picks = []
+        for step in range(400):
+            n = rng.choice([4, 16])
+            lockstep = (step // 40) % 2 == 1
+            picks.append(bandit.choose(n, lockstep=lockstep, horizon=rng.uniform(0.2, 3.0),
+                                       waiting=rng.randrange(0, 2 * n), lifetime=64))
+            k = 0 if picks[-1] in ("plain", "tree") else int(picks[-1].split("-")[1])
+            bandit.observe(n * (1 + 0.6 * k) * rng.uniform(0.8, 1.2),
+                           0.03 + 0.001 * n * (1 + k) * rng.uniform(0.9, 1.1),
+                           requests=n, rows=n * (1 + k), forward=0.03, draft=0.003 * k)
+        return picks, records, runs[0]
+
+    picks, records, runs = run(ShapeBandit)
+    want_picks, want_records, want_runs = run(Recomputing)
+    assert picks == want_picks and records == want_records
+    assert len({p for p in picks}) > 2 and any(r["lockstep"] for r in records)
+    assert 0 < runs < want_runs
