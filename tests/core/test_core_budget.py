@@ -1849,3 +1849,67 @@ def test_shape_bandit_ranks_each_arm_once_a_pick_and_picks_as_without():
     assert picks == want_picks and records == want_records
     assert len({p for p in picks}) > 2 and any(r["lockstep"] for r in records)
     assert 0 < runs < want_runs
+
+
+def _lockstep_run_by_hand(bandit, bucket, arm):
+    """The lockstep simulation written out per arm: each request's steps at
+    the arm's tau times its speed, a queued one starting on the first slot
+    freed, every interval's steps at the model's seconds for the requests
+    then running (what ShapeBandit._lockstep_run computes from one schedule
+    at tau 1 for all arms)."""
+    import heapq
+    import random as _random
+
+    from vllm_eagle_tree.core.budget import chain_length
+
+    n, k = 1 << bucket, chain_length(arm)
+    cost = bandit.verify_cost
+    if arm == "plain":
+        tau, rows = 1.0, 1
+    else:
+        tau, rows = bandit.chain_tokens(k, optimism=0.0), 1 + k
+    fixed = bandit.model_seconds(bucket, arm) - cost(float(n * rows))
+    step = [fixed + cost(float(m * rows)) for m in range(n + 1)]
+    L = float(bandit.lifetime)
+    work = [max(bandit.horizon - bandit.waiting / n, 0.0) * L] * n \
+        + [L] * min(bandit.waiting, (bandit.MAX_ROUNDS - 1) * n)
+    m = len(work)
+    order = list(range(m))
+    _random.Random(m).shuffle(order)
+    ranked = sorted(bandit.speeds)
+    speeds = [1.0] * m if arm == "plain" else \
+        [ranked[min(int((q + 0.5) * len(ranked) / m), len(ranked) - 1)] for q in order]
+    free, spans = [], []
+    for i, tokens in enumerate(work):
+        start = heapq.heappop(free) if i >= n else 0.0
+        spans.append((start, start + tokens / (tau * speeds[i])))
+        heapq.heappush(free, spans[-1][1])
+    total = 0.0
+    edges = sorted({x for s in spans for x in s})
+    for a, b in zip(edges, edges[1:]):
+        running = sum(1 for s, e in spans if s <= a and e >= b)
+        total += (b - a) * step[min(running, n)] if running else 0.0
+    return sum(work) / total
+
+
+@pytest.mark.parametrize("bucket,waiting,horizon", [(2, 0, 1.0), (2, 9, 2.5), (4, 48, 4.0),
+                                                    (4, 200, 9.0), (6, 64, 1.7)])
+def test_shape_bandit_lockstep_simulation_equals_the_per_arm_schedule(bucket, waiting, horizon):
+    """_lockstep_run (one schedule at tau 1, scaled by each arm's tau)
+    equals the simulation written out per arm, for plain and every chain,
+    with requests queued or not; inside a pick (schedules memoized) too."""
+    from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
+
+    bandit = ShapeBandit(max_depth=3, verify_cost=LinearCost(a=0.030, b=0.001))
+    bandit._other[bucket] = {"plain": 0.003, "chain": 0.004}
+    bandit._draft[bucket] = ChainDraftCost()
+    bandit._draft[bucket].observe(1, 0.003)
+    bandit.observe_chain([3] * 100, [1] * 30 + [2] * 30 + [3] * 20 + [0] * 20)
+    bandit.speeds = [0.6 + 0.9 * ((7 * i) % 23) / 22 for i in range(40)]
+    bandit.choose(1 << bucket, lockstep=True, horizon=horizon, waiting=waiting, lifetime=64)
+    arms = ["plain", "chain-1", "chain-2", "chain-3"]
+    want = [_lockstep_run_by_hand(bandit, bucket, a) for a in arms]
+    assert [bandit._lockstep_run(bucket, a) for a in arms] == pytest.approx(want, rel=1e-9)
+    bandit._ranked_memo = {}
+    assert [bandit._lockstep_run(bucket, a) for a in arms] == pytest.approx(want, rel=1e-9)
+    assert len(set(round(w, 9) for w in want)) == len(arms)  # the arms differ

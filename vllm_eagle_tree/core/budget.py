@@ -838,7 +838,8 @@ class ShapeBandit:
         self.lifetime: float | None = None  # in lockstep, its requests' max_tokens (choose)
         # (bucket, arm) -> _ranked, while one choose() picks (and traces) an
         # arm: nothing it ranks by changes in between (None: not picking)
-        self._ranked_memo: dict[tuple[int, str], float | None] | None = None
+        self._ranked_memo: dict[tuple, object] | None = None
+        self._orders: dict[int, list[int]] = {}  # requests -> _lockstep_schedule's dealing order
         # the last finished requests' speeds: tokens they emitted on chain
         # steps over the tokens the pooled acceptance expected of those steps
         # (observe_request_speed; lockstep_rate simulates drains with them)
@@ -1185,35 +1186,62 @@ class ShapeBandit:
                 return None
             fixed = t["other"] + t["draft"]
             step = [fixed + t["ratio"] * self.verify_cost(m * t["rows"]) for m in range(n + 1)]
+        if tau <= 0.0:
+            return None
+        work, busy = self._lockstep_schedule(n, plain=arm == "plain")
+        # the schedule at tau 1, its times over tau: steps with r running x their seconds
+        total = sum(steps * step[r] for r, steps in enumerate(busy) if r > 0 and steps > 0.0) / tau
+        return work / total if total > 0.0 else None
+
+    def _lockstep_schedule(self, n: int, plain: bool) -> tuple[float, list[float]]:
+        """:meth:`_lockstep_run`'s requests at one token a step (tau 1): the
+        tokens of all the work, and the steps run with r requests running
+        (index r, 0..n). An arm's own tau scales every start and end alike,
+        so each arm's steps are these over its tau; plain's requests all
+        have speed 1, every other arm's the same quantiles. Within one
+        :meth:`choose`'s pick the two schedules are computed once."""
+        memo = self._ranked_memo
+        key = ("schedule", n, plain)
+        if memo is not None and key in memo:
+            return memo[key]
         L = float(self.lifetime)
         left = max(self.horizon - self.waiting / n, 0.0) * L  # tokens left per running request
         queued = min(self.waiting, max(self.MAX_ROUNDS - 1, 0) * n)
         work = [left] * n + [L] * queued
         m = len(work)
-        order = list(range(m))
-        random.Random(m).shuffle(order)
-        ranked = sorted(self.speeds)
-        speeds = [1.0] * m if arm == "plain" else \
-            [ranked[min(int((q + 0.5) * len(ranked) / m), len(ranked) - 1)] for q in order]
+        if plain:
+            speeds = [1.0] * m
+        else:
+            order = self._orders.get(m)
+            if order is None:
+                order = list(range(m))
+                random.Random(m).shuffle(order)
+                self._orders[m] = order
+            ranked = sorted(self.speeds)
+            speeds = [ranked[min(int((q + 0.5) * len(ranked) / m), len(ranked) - 1)]
+                      for q in order]
         # each request's steps; a queued one starts on the first slot freed
         free: list[float] = []  # the running requests' ends (a heap)
         spans = []
         for i, tokens in enumerate(work):
             start = heapq.heappop(free) if i >= n else 0.0
-            end = start + tokens / max(tau * speeds[i], 1e-6)
+            end = start + tokens / max(speeds[i], 1e-6)
             spans.append((start, end))
             heapq.heappush(free, end)
         edges = sorted({x for span in spans for x in span})
         events = [(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans]
         events.sort()
-        running, total, j = 0, 0.0, 0
+        busy = [0.0] * (n + 1)
+        running, j = 0, 0
         for a, b in zip(edges, edges[1:]):
             while j < len(events) and events[j][0] <= a:
                 running += events[j][1]
                 j += 1
-            if running > 0:
-                total += (b - a) * step[min(running, n)]
-        return sum(work) / total if total > 0.0 else None
+            busy[min(max(running, 0), n)] += b - a
+        out = (sum(work), busy)
+        if memo is not None:
+            memo[key] = out
+        return out
 
     def _ranked(self, bucket: int, arm: str) -> float | None:
         """The rate arms are ranked by: :meth:`lockstep_rate` in lockstep,
