@@ -836,8 +836,9 @@ class ShapeBandit:
         self.horizon = 1.0  # its work left in rounds of the batch (choose)
         self.waiting = 0  # requests queued behind the batch (choose)
         self.lifetime: float | None = None  # in lockstep, its requests' max_tokens (choose)
-        # (bucket, arm) -> _ranked, while one choose() picks (and traces) an
-        # arm: nothing it ranks by changes in between (None: not picking)
+        # (bucket, arm) -> _ranked, and ("schedule", n, plain) ->
+        # _lockstep_schedule, while one choose() picks (and traces) an arm:
+        # nothing they depend on changes in between (None: not picking)
         self._ranked_memo: dict[tuple, object] | None = None
         self._orders: dict[int, list[int]] = {}  # requests -> _lockstep_schedule's dealing order
         # the last finished requests' speeds: tokens they emitted on chain
