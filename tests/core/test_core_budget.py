@@ -1910,6 +1910,6 @@ def test_shape_bandit_lockstep_simulation_equals_the_per_arm_schedule(bucket, wa
     arms = ["plain", "chain-1", "chain-2", "chain-3"]
     want = [_lockstep_run_by_hand(bandit, bucket, a) for a in arms]
     assert [bandit._lockstep_run(bucket, a) for a in arms] == pytest.approx(want, rel=1e-9)
-    bandit._ranked_memo = {}
+    bandit._pick_memo = {}
     assert [bandit._lockstep_run(bucket, a) for a in arms] == pytest.approx(want, rel=1e-9)
     assert len(set(round(w, 9) for w in want)) == len(arms)  # the arms differ

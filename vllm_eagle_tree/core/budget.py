@@ -836,10 +836,8 @@ class ShapeBandit:
         self.horizon = 1.0  # its work left in rounds of the batch (choose)
         self.waiting = 0  # requests queued behind the batch (choose)
         self.lifetime: float | None = None  # in lockstep, its requests' max_tokens (choose)
-        # (bucket, arm) -> _ranked, and ("schedule", n, plain) ->
-        # _lockstep_schedule, while one choose() picks (and traces) an arm:
-        # nothing they depend on changes in between (None: not picking)
-        self._ranked_memo: dict[tuple, object] | None = None
+        # _once_per_pick's values while one choose() picks (None: not picking)
+        self._pick_memo: dict[tuple, object] | None = None
         self._orders: dict[int, list[int]] = {}  # requests -> _lockstep_schedule's dealing order
         # the last finished requests' speeds: tokens they emitted on chain
         # steps over the tokens the pooled acceptance expected of those steps
@@ -1201,10 +1199,11 @@ class ShapeBandit:
         so each arm's steps are these over its tau; plain's requests all
         have speed 1, every other arm's the same quantiles. Within one
         :meth:`choose`'s pick the two schedules are computed once."""
-        memo = self._ranked_memo
-        key = ("schedule", n, plain)
-        if memo is not None and key in memo:
-            return memo[key]
+        return self._once_per_pick(("schedule", n, plain),
+                                   lambda: self._schedule_requests(n, plain))
+
+    def _schedule_requests(self, n: int, plain: bool) -> tuple[float, list[float]]:
+        """:meth:`_lockstep_schedule`, computed."""
         L = float(self.lifetime)
         left = max(self.horizon - self.waiting / n, 0.0) * L  # tokens left per running request
         queued = min(self.waiting, max(self.MAX_ROUNDS - 1, 0) * n)
@@ -1239,23 +1238,27 @@ class ShapeBandit:
                 running += events[j][1]
                 j += 1
             busy[min(max(running, 0), n)] += b - a
-        out = (sum(work), busy)
-        if memo is not None:
-            memo[key] = out
-        return out
+        return sum(work), busy
+
+    def _once_per_pick(self, key: tuple, compute):
+        """``compute()``, once per ``key`` while one :meth:`choose` picks (and
+        traces) an arm: nothing a ranking rate or a lockstep schedule
+        depends on changes in between. Outside a pick, computed each time."""
+        memo = self._pick_memo
+        if memo is None:
+            return compute()
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
 
     def _ranked(self, bucket: int, arm: str) -> float | None:
         """The rate arms are ranked by: :meth:`lockstep_rate` in lockstep,
         else :meth:`rate`. Within one :meth:`choose`'s pick each is computed
         once (a lockstep simulation is ~0.1 ms; a pick and its trace record
         asked for each up to three times: 0.6 + 1.0 ms a window at batch 16)."""
-        memo = self._ranked_memo
-        if memo is not None and (bucket, arm) in memo:
-            return memo[bucket, arm]
-        r = self.lockstep_rate(bucket, arm) if self.lockstep else self.rate(bucket, arm)
-        if memo is not None:
-            memo[bucket, arm] = r
-        return r
+        return self._once_per_pick(
+            (bucket, arm),
+            lambda: self.lockstep_rate(bucket, arm) if self.lockstep else self.rate(bucket, arm))
 
     def best(self, bucket: int) -> str | None:
         """The bucket's fastest measured arm (None: nothing measured) by
@@ -1408,7 +1411,7 @@ class ShapeBandit:
         closed = self.current, self._bucket, self._acc["clean"][:3]
         self._close_window()
         self._bucket = b
-        self._ranked_memo = {}
+        self._pick_memo = {}
         try:
             self.current = self._pick(b)
             self._steps = 1
@@ -1416,7 +1419,7 @@ class ShapeBandit:
             if self.trace is not None:
                 self.trace(self.trace_record(*closed))
         finally:
-            self._ranked_memo = None
+            self._pick_memo = None
         return self.current
 
     def trace_record(self, closed: str, closed_bucket: int, window: list[float]) -> dict:
