@@ -79,6 +79,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import cpu_runtime  # noqa: E402  (scripts/cpu_runtime.py)
 
 ADAPTIVE = ("eagle2-eagle3", "8x4x2g")
 
@@ -362,6 +363,7 @@ def plot(results, path):
 
 
 def main():
+    cpu_runtime.preload()  # vLLM's CPU guide: TCMalloc and Intel OpenMP (cpu_runtime.py)
     from make_deep_target import build
     from vllm_eagle_tree import assets
 
@@ -416,7 +418,8 @@ def main():
     prompts = assets.heldout_prompts()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = {"command": " ".join(sys.argv), "rounds": args.rounds,
+    results = {"command": " ".join(sys.argv), "runtime": cpu_runtime.describe(),
+               "rounds": args.rounds,
                "max_tokens": args.max_tokens, "min_tokens_per_cell": args.min_tokens_per_cell,
                "output_len_spread": args.output_len_spread,
                "interleaved": args.interleave, "restart_every": args.restart_every,

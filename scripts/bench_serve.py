@@ -43,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import cpu_runtime  # noqa: E402  (scripts/cpu_runtime.py)
 VLLM = str(Path(sys.executable).parent / "vllm")
 
 
@@ -85,6 +86,7 @@ def specs(head: str, k: int, tree: str) -> dict[str, dict | None]:
 
 
 def main() -> int:
+    cpu_runtime.preload()  # vLLM's CPU guide, for every server too (cpu_runtime.py)
     from vllm_eagle_tree import assets
 
     ap = argparse.ArgumentParser(description=__doc__,
@@ -119,7 +121,8 @@ def main() -> int:
         target = str(build(assets.DEEP_TARGET, extra_layers=60))
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    results = {"command": " ".join(sys.argv), "target": target, "rows": []}
+    results = {"command": " ".join(sys.argv), "runtime": cpu_runtime.describe(),
+               "target": target, "rows": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     methods = specs(args.head, args.k, args.tree)

@@ -13,13 +13,18 @@ sets up `.venv` first.
 """
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_runtime  # noqa: E402  (scripts/cpu_runtime.py, beside this script)
 
 
 def main():
+    cpu_runtime.preload()  # vLLM's CPU guide: TCMalloc and Intel OpenMP (cpu_runtime.py)
     from vllm_eagle_tree import assets
     from vllm_eagle_tree.metrics import spec_counters
 

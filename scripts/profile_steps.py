@@ -23,7 +23,9 @@ run and kept alive, as ``bench_paired.py --interleave`` has them:
 
     .venv/bin/python scripts/profile_steps.py --keep-alive --batch 64 --requests 128 vanilla plain vanilla plain
 
-Timers cost a few microseconds per call. Python's garbage collections are listed too
+Timers cost a few microseconds per call; each also counts the minor page faults
+inside its method (faults/call: glibc handing freed memory back and faulting
+it in again). Python's garbage collections are listed too
 ("gc collections, gen N": they run inside whatever method allocates).
 
 ``--cprofile N``: also run cProfile inside the runner's step methods outside
@@ -52,6 +54,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import cpu_runtime  # noqa: E402  (scripts/cpu_runtime.py)
 
 RUNNER = ("execute_model", "_prepare_inputs", "_build_attention_metadata", "_model_forward",
           "sample_tokens", "_sample", "propose_draft_token_ids", "_bookkeeping_sync",
@@ -69,6 +72,7 @@ class Timers:
     def __init__(self):
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.faults: dict[str, int] = {}  # minor page faults inside each method
 
     def wrap(self, obj, names, prefix=""):
         """Time ``obj.<name>`` for each name it has (an instance attribute
@@ -80,17 +84,21 @@ class Timers:
             key = prefix + name
 
             def timed(*a, _f=f, _k=key, **k):
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t = time.perf_counter()
                 try:
                     return _f(*a, **k)
                 finally:
                     self.seconds[_k] = self.seconds.get(_k, 0.0) + time.perf_counter() - t
                     self.calls[_k] = self.calls.get(_k, 0) + 1
+                    self.faults[_k] = (self.faults.get(_k, 0)
+                                       + resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
             setattr(obj, name, timed)
 
     def clear(self):
         self.seconds.clear()
         self.calls.clear()
+        self.faults.clear()
 
     def gc_callback(self, phase, info):
         """``gc.callbacks`` hook: Python's cyclic collections, by generation
@@ -106,6 +114,7 @@ class Timers:
 
 
 def main():
+    cpu_runtime.preload()  # vLLM's CPU guide: TCMalloc and Intel OpenMP (cpu_runtime.py)
     from vllm import LLM, SamplingParams
 
     from bench_baseline import _runner, _scheduler, pin_shape, speculative_config
@@ -226,7 +235,9 @@ def main():
         timers.calls["(outside the timed top-level methods)"] = steps
         for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
             c = timers.calls[k]
-            print(f"   {k:38s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call")
+            f = timers.faults.get(k)
+            print(f"   {k:38s} {v:7.3f} s {c:6d} calls {1e3 * v / c:7.2f} ms/call"
+                  + ("" if f is None else f" {f / c:8.1f} faults/call"))
         if args.cprofile:
             text = io.StringIO()
             restrict = ([args.cprofile_only] if args.cprofile_only else []) + [args.cprofile]

