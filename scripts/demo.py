@@ -73,6 +73,9 @@ def main():
         print(f"mean accepted tokens per step (tau, incl. bonus) = {c.tau:.3f}; "
               f"draft acceptance rate = {c.acceptance_rate:.3f} over {c.drafts} steps; "
               f"mean drafted nodes per step = {c.draft_tokens / max(c.drafts, 1):.1f}")
+    rt = cpu_runtime.describe()
+    print(f"runtime: malloc={rt['malloc']} openmp={rt['openmp']} (vLLM's CPU guide: tcmalloc, intel; "
+          "scripts/cpu_runtime.py)")
 
 
 if __name__ == "__main__":
