@@ -71,12 +71,14 @@ PYEOF
 TC="$VENV/lib/libtcmalloc_minimal.so.4"
 if [[ ! -e "$TC" ]]; then
   for d in /usr/lib/x86_64-linux-gnu /usr/lib/aarch64-linux-gnu /usr/lib64; do
-    if [[ -e "$d/libtcmalloc_minimal.so.4" ]]; then cp -L "$d/libtcmalloc_minimal.so.4" "$TC"; break; fi
+    if [[ -e "$d/libtcmalloc_minimal.so.4" ]] && cp -L "$d/libtcmalloc_minimal.so.4" "$TC"; then break; fi
   done
 fi
 if [[ ! -e "$TC" ]] && command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
   TMP=$(mktemp -d)
-  if (cd "$TMP" && apt-get download -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+  # bounded: where Debian's mirror is unreachable this must not hold set-up up
+  if (cd "$TMP" && timeout 90 apt-get download -q -o Acquire::Retries=0 \
+      libtcmalloc-minimal4 >/dev/null 2>&1 \
       && dpkg-deb -x libtcmalloc-minimal4_*.deb x); then
     cp -L "$TMP"/x/usr/lib/*/libtcmalloc_minimal.so.4 "$TC" 2>/dev/null || true
   fi
