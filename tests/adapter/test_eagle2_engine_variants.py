@@ -277,6 +277,20 @@ def _set_skip_pattern(worker, period, hold):
         return drafter._test_write_rows(raw, tokens, positions, slots)
 
     drafter.write_rows = write_rows
+    # per step: [drafts scheduled?, calls of vLLM's _calc_spec_decode_metadata]
+    spec_steps = runner._test_spec_steps = []
+    calc, prepare = runner._calc_spec_decode_metadata, runner._prepare_inputs
+
+    def calc_logged(*args, **kwargs):
+        spec_steps[-1][1] += 1
+        return calc(*args, **kwargs)
+
+    def prepare_logged(scheduler_output, *args, **kwargs):
+        spec_steps.append([bool(scheduler_output.scheduled_spec_decode_tokens), 0])
+        return prepare(scheduler_output, *args, **kwargs)
+
+    runner._calc_spec_decode_metadata = calc_logged
+    runner._prepare_inputs = prepare_logged
     return True
 
 
@@ -284,7 +298,7 @@ def _first_pass_log(worker):
     r = worker.model_runner
     return (list(r._test_first_pass_log), list(r._test_flushed), list(r._test_written),
             list(r._test_at_once), len(r._pending), r._test_rows_written[0],
-            len(r._held_steps))
+            len(r._held_steps), [tuple(x) for x in r._test_spec_steps])
 
 
 def _run_skip_pattern(head, hold, vanilla, what):
@@ -367,9 +381,13 @@ def test_goodput_plain_steps_held_whole_and_written(vanilla_greedy_200):
     with the sequence's next token, held rows carry the request's own slot
     for that position, every held row was written (one more step flushes
     the last ones), no PendingRows were used, and the output is unchanged."""
-    seqs, ours, (log, flushed, written, at_once, pending, n_written, n_held) = \
+    seqs, ours, (log, flushed, written, at_once, pending, n_written, n_held, spec_steps) = \
         _run_skip_pattern(assets.EAGLE3_HEAD, False, vanilla_greedy_200,
                           "plain steps held whole")
+    # steps without drafts take vLLM's branch for engines without
+    # speculation (runner _prepare_inputs_without_drafts): no spec metadata
+    assert {drafts for drafts, _ in spec_steps} == {True, False}
+    assert all(calls == int(drafts) for drafts, calls in spec_steps), spec_steps[:20]
     assert pending == 0 and not flushed and not written
     bad_slots = [x for x in at_once if x[3] != x[4]]
     assert at_once and not bad_slots, bad_slots[:5]
