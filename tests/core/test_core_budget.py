@@ -245,7 +245,7 @@ def test_plan_budget_extremes():
     # rows are free: verify everything
     assert plan_budget(probs, 4, LinearCost(a=1.0, b=0.0)).num_nodes == 30
     # rows are expensive relative to their acceptance: no speculation
-    assert plan_budget(probs, 4, LinearCost(a=0.0, b=1.0), draft_seconds=0.5).num_nodes == 0
+    assert plan_budget(probs, 4, LinearCost(a=0.0, b=1.0), overhead_seconds=0.5).num_nodes == 0
     assert plan_budget(probs, 4, LinearCost(a=1.0, b=0.0), max_nodes=7).num_nodes == 7
 
 

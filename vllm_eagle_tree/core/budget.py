@@ -381,7 +381,7 @@ class BudgetPlan:
 
 
 def plan_budget(accept_prob: torch.Tensor, num_requests: int,
-                verify_cost: Callable[[float], float], draft_seconds: float = 0.0,
+                verify_cost: Callable[[float], float], overhead_seconds: float = 0.0,
                 max_nodes: int | None = None, other_rows: int = 0) -> BudgetPlan:
     """Best number of candidate nodes to verify for the batch.
 
@@ -389,8 +389,9 @@ def plan_budget(accept_prob: torch.Tensor, num_requests: int,
     (any order; NaN counts as 0). ``verify_cost``: the target forward's
     seconds at a number of query rows (a :class:`LinearCost`, or the
     shaped :class:`DriftingCost`). Verifying the top ``n`` costs
-    ``verify_cost(other_rows + num_requests + n)`` plus ``draft_seconds``
-    when ``n > 0`` and is expected to emit ``num_requests + sum(top n
+    ``verify_cost(other_rows + num_requests + n)`` plus ``overhead_seconds``
+    (what a step verifying any node pays on top, e.g. a tree mask's extra
+    cost) when ``n > 0`` and is expected to emit ``num_requests + sum(top n
     probabilities)`` tokens. ``n = 0`` is plain decoding; of equal rates the
     smallest budget wins. (Python floats, not tensor ops: a step's
     candidates are a few dozen, and each op costs ~5 us on a CPU host.)
@@ -405,7 +406,7 @@ def plan_budget(accept_prob: torch.Tensor, num_requests: int,
     best_rate = tokens / max(best[2], 1e-12)
     for n, q in enumerate(p, start=1):
         tokens += q
-        seconds = verify_cost(rows + n) + draft_seconds
+        seconds = verify_cost(rows + n) + overhead_seconds
         rate = tokens / max(seconds, 1e-12)
         if rate > best_rate:
             best, best_rate = (n, tokens, seconds), rate
