@@ -1824,6 +1824,33 @@ def test_shape_bandit_depth_optimism_gives_way_when_depth_2_keeps_failing():
     assert bandit.best(0) == "chain-1", chosen
 
 
+def test_shape_bandit_re_measures_the_longer_chain_while_a_shorter_one_leads():
+    """Depth 3's acceptance is only learnt while chains of 3 or more run.
+    Served at batch 1 (traced), chain-2 led for 264 windows with chain-3
+    predicted just under its bar on depth 3's stale estimate, and since
+    chain-3's rate was predicted it was never run again. Here chains truly
+    accept depth 1 always, depth 2 half the time and depth 3 whenever depth
+    2 (chain-3: 3 tokens a step for 1.06x chain-2's step, ~13% faster), but
+    chain-3's first three windows accept nothing past depth 2. With fewer
+    than 100 chains in memory that reached depth 3, the longer chain is
+    re-measured when its gap's turn comes and wins back the batch; the old
+    code stayed on chain-2 for the last 54 of 60 windows. (With 100 or more,
+    it is not: test_shape_bandit_keeps_the_best_chain_through_a_slow_window.)"""
+    seen = []
+
+    def accept(w, k, i):
+        seen.append(w)
+        a = [1, 3][len(seen) % 2]
+        return min(a, 2) if k >= 3 and i < 3 else a
+
+    bandit, chosen = _serve_batch_1(accept, windows=60)
+    assert chosen[:7] == ["chain-1", "plain", "tree", "chain-3", "chain-2", "chain-3", "chain-3"]
+    assert chosen[7] == "chain-2" and bandit.rate(0, "chain-3") is not None  # predicted, not run
+    assert "chain-3" in chosen[8:30], chosen
+    assert chosen[-20:] == ["chain-3"] * 20, chosen
+    assert bandit.best(0) == "chain-3"
+
+
 def test_shape_bandit_ranks_each_arm_once_a_pick_and_picks_as_without():
     """choose() computes each arm's ranking rate (a lockstep simulation in
     lockstep) once per pick, for the pick and its trace record alike: over

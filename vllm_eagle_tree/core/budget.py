@@ -787,8 +787,9 @@ class ShapeBandit:
       drafting depths the bucket has not run, or, next to plain, from
       another bucket's measured parts) is run once;
     * then the best arm is kept, and a neighbour (other than, while a chain
-      is best, a chain the model predicts from its own measured drafting)
-      is re-measured once its turn comes: after ``explore_every`` windows,
+      is best, a shorter chain the model predicts from its own measured
+      drafting: the best chain verifies every depth it has, not a longer
+      chain's last, :meth:`_predicted`) is re-measured once its turn comes: after ``explore_every`` windows,
       times ``(1 + gap / 0.05) ** 2`` where ``gap`` is how much faster it
       must get to be chosen, margins included (:meth:`_gap`): a neighbour
       within 2% is revisited every 16 windows, one that needs 20% every
@@ -1310,15 +1311,30 @@ class ShapeBandit:
             bar = rb / (1.0 + self.margin)
         return max(1.0 - r / bar, 0.0)
 
-    def _predicted(self, b: int, arm: str) -> bool:
+    def _predicted(self, b: int, arm: str, best: str, known: float = 100.0) -> bool:
         """Whether ``arm`` is a chain whose rate the cost model predicts in
-        bucket ``b`` from its own measured drafting time: while another chain
-        is the best arm, re-measuring it would only refresh the chains'
-        pooled time outside the forward, which the best chain's windows
-        keep fresh anyway."""
-        k = chain_length(arm)
-        return k is not None and self.model_seconds(b, arm) is not None \
-            and k in self._draft.get(b, {})
+        bucket ``b`` from its own measured drafting time and from depths
+        the best chain ``best`` verifies: while ``best`` runs, re-measuring
+        it would only refresh the chains' pooled time outside the forward,
+        which ``best``'s windows keep fresh anyway.
+
+        Not a longer chain: its deepest depth's acceptance is only learnt
+        while chains that deep run, so while a shorter chain leads it is
+        what a few early windows left (or the prior, the depth above).
+        Served at batch 1 (AVX-512, ``scripts/bench_serve.py`` traced, issue
+        6), chain-2 led for 264 windows with chain-3 predicted within 1% of
+        its bar on depth 3's prior, and chain-3 was never run again; its
+        own early windows had measured 94-107 tok/s against chain-2's
+        76-77. So a longer chain counts as predicted only once ``known``
+        (100) of the chains in memory reached its last depth (its acceptance
+        then known to about ±0.05, one standard error); until then it is
+        re-measured on the gap schedule. (Batch 16 keeps that many: ~64
+        chains a window.)"""
+        k, kb = chain_length(arm), chain_length(best)
+        if k is None or kb is None or self.model_seconds(b, arm) is None \
+                or k not in self._draft.get(b, {}):
+            return False
+        return k < kb or self.reached[min(k, len(self.reached)) - 1] >= known
 
     def _pick(self, b: int) -> str:
         best = self.best(b)
@@ -1374,7 +1390,7 @@ class ShapeBandit:
         waited = self._waited.setdefault(b, {})
         due = []
         for n in neighbours:
-            if chain_length(best) is not None and self._predicted(b, n):
+            if self._predicted(b, n, best):
                 continue  # the best chain's windows refresh the base it shares
             waited[n] = waited.get(n, 0) + 1
             # an arm run in one window only is one noisy sample (at a fresh
