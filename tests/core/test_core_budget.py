@@ -1708,6 +1708,11 @@ def test_shape_bandit_runs_chain_1_once_next_to_plain_on_borrowed_parts():
     assert first["picked"] == "chain-1" and first["best"] == "plain"
     assert first["rates"]["chain-1"] < 0.1 * first["rates"]["plain"]
     assert first["step_ms"]["chain-1"] > 2400 and first["rates"]["tree"] is None
+    # the step's parts: the forward model at the arm's rows, and the drafting
+    assert first["forward_ms"] == {a: round(1e3 * cost(4 * (1 + k)), 2) for a, k in
+                                   (("plain", 0), ("chain-1", 1), ("chain-2", 2))}
+    assert first["draft_ms"] == [round(1e3 * bandit.draft_seconds(2, k), 2) for k in (1, 2)]
+    assert first["draft_ms"][0] == pytest.approx(5.0, abs=0.5)  # 5 ms a depth, at speed ~1
     assert first["chain_tokens"] == [round(bandit.chain_tokens(k), 3) for k in (1, 2)]
 
 

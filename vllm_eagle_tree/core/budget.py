@@ -1452,7 +1452,8 @@ class ShapeBandit:
         bucket, whether the batch was in lockstep (and then the work left,
         and every shape's :meth:`lockstep_rate`, by which they were ranked),
         every shape's rate (tokens/s; measured or predicted, None: neither), the model's
-        predicted step seconds, and the chains' expected tokens per request."""
+        predicted step seconds (and, for plain and the chains, its forward
+        and drafting parts), and the chains' expected tokens per request."""
         b = self._bucket
         rates = {a: self.rate(b, a) for a in self.arms}
         seconds = {a: self.model_seconds(b, a) for a in self.arms}
@@ -1468,6 +1469,13 @@ class ShapeBandit:
             "lockstep_rates": None if ranked is None else
             {a: None if r is None else round(r, 2) for a, r in ranked.items()},
             "step_ms": {a: None if x is None else round(1e3 * x, 2) for a, x in seconds.items()},
+            # step_ms's parts for plain and the chains: the forward model at
+            # the arm's rows, and the chains' drafting (None: no model)
+            "forward_ms": None if self.verify_cost is None else
+            {a: round(1e3 * self.verify_cost(float((1 << b) * (1 + (chain_length(a) or 0)))), 2)
+             for a in self.arms if a != "tree"},
+            "draft_ms": [round(1e3 * self.draft_seconds(b, k), 2)
+                         for k in range(1, len(self.reached) + 1)],
             "chain_tokens": [round(self.chain_tokens(k), 3) for k in range(1, len(self.reached) + 1)],
             "speeds": len(self.speeds),
         }
