@@ -794,6 +794,37 @@ def test_shape_bandit_prefers_less_speculation_unless_clearly_faster():
     assert best(plain=100.0, chain_1=104.0, chain_2=104.9) == "chain-2"
 
 
+def test_shape_bandit_leaves_lockstep_on_a_lower_bound_of_acceptance():
+    """In lockstep a speculative pick cannot be taken back, so chains are
+    ranked there on each depth's acceptance one standard error low
+    (``lockstep_optimism``). A fresh engine's first lockstep batch (batch
+    16, AVX-512 AMD, bench_paired with restarts) was picked on its warm-up's
+    few chains: chain-1 at 1.104x plain, just over the margin, and the cell
+    ran at 0.96 of vanilla. Here depth 1 accepts 55% whether 100 or 10000
+    chains were verified: unbiased, chain-1 clears plain by the margin
+    either way; on the lower bound, only with 10000 (its standard error
+    0.5% there, 5% after 100)."""
+    from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
+
+    def bandit_at(chains, **kw):  # batch 16: a 30 ms forward + 1 ms a row
+        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=0.030, b=0.001),
+                             lockstep_margin=0.02, **kw)
+        bandit._other[4] = {"plain": 0.003, "chain": 0.004}
+        bandit._draft[4] = ChainDraftCost()
+        bandit._draft[4].observe(1, 0.003)
+        bandit.observe_chain([1] * chains, ([1] * 55 + [0] * 45) * (chains // 100), decay=1.0)
+        return bandit
+
+    few, many, unbiased = bandit_at(100), bandit_at(10000), bandit_at(100, lockstep_optimism=0.0)
+    picks = [b.choose(16, lockstep=True, horizon=4.0) for b in (few, many, unbiased)]
+    assert picks == ["plain", "chain-1", "chain-1"]
+    # the same unbiased acceptance (up to the prior's 2 pseudo-chains)
+    assert few.chain_tokens(1, optimism=0.0) == pytest.approx(
+        many.chain_tokens(1, optimism=0.0), rel=1e-3)
+    assert few.lockstep_rate(4, "chain-1") < many.lockstep_rate(4, "chain-1") \
+        < unbiased.lockstep_rate(4, "chain-1")
+
+
 def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     """lockstep_rate(): with a cost model, a chain's rate over H rounds of
     the batch whose last one drains (one lifetime of steps at half the
@@ -809,8 +840,10 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     lockstep for good: nothing to learn by trying it)."""
     from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
 
-    def bandit_at(bucket, a, b):  # (the margin over plain as out of lockstep: the drain alone)
-        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=a, b=b), lockstep_margin=0.02)
+    def bandit_at(bucket, a, b):  # (the margin over plain as out of lockstep, and unbiased
+        # acceptance: the drain alone)
+        bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=a, b=b), lockstep_margin=0.02,
+                             lockstep_optimism=0.0)
         bandit._other[bucket] = {"plain": 0.003, "chain": 0.004}
         bandit._draft[bucket] = ChainDraftCost()
         bandit._draft[bucket].observe(1, 0.003)
@@ -824,9 +857,9 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     t_half = 0.030 + 0.001 * n + 0.004 + 0.003  # half the batch: half the rows
     assert bandit.rate(4, "chain-1") == pytest.approx(n * tau / t_c1)
     assert 1.08 < bandit.rate(4, "chain-1") / bandit.rate(4, "plain") < 1.16
-    tau0 = bandit.chain_tokens(1, optimism=0.0)
-    assert tau0 < tau and bandit.rate(4, "chain-1", optimism=0.0) == pytest.approx(
-        n * tau0 / t_c1)
+    tau0 = bandit.chain_tokens(1, optimism=bandit.lockstep_optimism)
+    assert tau0 < tau and bandit.rate(
+        4, "chain-1", optimism=bandit.lockstep_optimism) == pytest.approx(n * tau0 / t_c1)
     picks = []
     bandit.trace = picks.append  # one record per pick: the first choose() below
     for H, best in ((1.0, "plain"), (2.0, "plain"), (4.0, "chain-1")):
@@ -854,8 +887,9 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     t_c1 = 0.030 + 0.0001 * 8 + 0.007
     t_half = t_c1 - 0.0001 * 4
     assert flat.lockstep_rate(2, "chain-1") == pytest.approx(
-        flat.rate(2, "chain-1", optimism=0.0) * t_c1 / (t_c1 + t_half - t_c1 / 2))
-    assert 0.66 < flat.lockstep_rate(2, "chain-1") / flat.rate(2, "chain-1", optimism=0.0) < 0.68
+        flat.rate(2, "chain-1", optimism=flat.lockstep_optimism) * t_c1 / (t_c1 + t_half - t_c1 / 2))
+    assert 0.66 < flat.lockstep_rate(2, "chain-1") / flat.rate(
+        2, "chain-1", optimism=flat.lockstep_optimism) < 0.68
 
 
 def test_shape_bandit_simulates_the_lockstep_work_with_request_speeds():
@@ -869,9 +903,10 @@ def test_shape_bandit_simulates_the_lockstep_work_with_request_speeds():
     the one-lifetime drain model put ahead of plain into a loss."""
     from vllm_eagle_tree.core.budget import ChainDraftCost, LinearCost, ShapeBandit
 
-    def bandit_at(bucket):  # (the margin over plain as out of lockstep: the simulation alone)
+    def bandit_at(bucket):  # (the margin over plain as out of lockstep, and unbiased
+        # acceptance: the simulation alone)
         bandit = ShapeBandit(max_depth=2, verify_cost=LinearCost(a=0.030, b=0.001),
-                             lockstep_margin=0.02)
+                             lockstep_margin=0.02, lockstep_optimism=0.0)
         bandit._other[bucket] = {"plain": 0.003, "chain": 0.004}
         bandit._draft[bucket] = ChainDraftCost()
         bandit._draft[bucket].observe(1, 0.003)
@@ -883,7 +918,7 @@ def test_shape_bandit_simulates_the_lockstep_work_with_request_speeds():
     step_plain = lambda m: 0.030 + 0.001 * m + 0.003  # noqa: E731
 
     bandit = bandit_at(1)  # two requests
-    tau = bandit.chain_tokens(1, optimism=0.0)
+    tau = bandit.chain_tokens(1, optimism=bandit.lockstep_optimism)
     bandit.choose(2, lockstep=True, horizon=1.0, waiting=0, lifetime=L)
     model = bandit.lockstep_rate(1, "chain-1")
     for _ in range(ShapeBandit.MIN_SPEEDS - 1):
@@ -892,7 +927,7 @@ def test_shape_bandit_simulates_the_lockstep_work_with_request_speeds():
     bandit.observe_request_speed(1.0)
     assert bandit.lockstep_rate(1, "chain-1") == pytest.approx(2 * tau / step_c1(2))
     assert bandit.lockstep_rate(1, "chain-1") == pytest.approx(
-        bandit.rate(1, "chain-1", optimism=0.0))
+        bandit.rate(1, "chain-1", optimism=bandit.lockstep_optimism))
     # half the speeds 0.5, half 1.5: the two requests take the 25% and 75% quantiles
     bandit.speeds = [0.5] * 8 + [1.5] * 8
     fast, slow = L / (1.5 * tau), L / (0.5 * tau)
@@ -1923,7 +1958,7 @@ def _lockstep_run_by_hand(bandit, bucket, arm):
     if arm == "plain":
         tau, rows = 1.0, 1
     else:
-        tau, rows = bandit.chain_tokens(k, optimism=0.0), 1 + k
+        tau, rows = bandit.chain_tokens(k, optimism=bandit.lockstep_optimism), 1 + k
     fixed = bandit.model_seconds(bucket, arm) - cost(float(n * rows))
     step = [fixed + cost(float(m * rows)) for m in range(n + 1)]
     L = float(bandit.lifetime)

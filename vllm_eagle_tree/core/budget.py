@@ -806,7 +806,7 @@ class ShapeBandit:
 
     def __init__(self, max_depth: int, window: int = 4, explore_every: int = 8,
                  decay: float = 0.7, margin: float = 0.02, speculation_margin: float = 0.10,
-                 lockstep_margin: float = 0.10,
+                 lockstep_margin: float = 0.10, lockstep_optimism: float = -1.0,
                  verify_cost: LinearCost | DriftingCost | None = None):
         # the target forward's seconds vs query rows: scales steps to the
         # bucket's size, and predicts plain and chain steps (model_seconds)
@@ -818,6 +818,8 @@ class ShapeBandit:
         self.margin = margin
         self.speculation_margin = speculation_margin
         self.lockstep_margin = lockstep_margin
+        # standard errors of acceptance lockstep_rate takes (negative: pessimistic)
+        self.lockstep_optimism = lockstep_optimism
         # bucket -> arm -> [tokens, seconds, windows, requests] (per-step EMAs;
         # windows: a count)
         self.stats: dict[int, dict[str, list[float]]] = {}
@@ -926,7 +928,7 @@ class ShapeBandit:
         for d in range(k):
             n = self.reached[d]
             q = (self.accepted[d] + 2.0 * q) / (n + 2.0)
-            alive *= min(q + optimism * math.sqrt(n * q * (1.0 - q)) / (n + 2.0), 1.0)
+            alive *= min(max(q + optimism * math.sqrt(n * q * (1.0 - q)) / (n + 2.0), 0.0), 1.0)
             total += alive
         return total
 
@@ -1105,8 +1107,18 @@ class ShapeBandit:
         full-batch steps ran 3.8% faster than plain's and its whole runs
         3.3% slower; the optimistic lockstep rate had put it 2.8% above
         plain (over the margin) in a fresh engine's first timed batch, the
-        unbiased one 1.9% (under it)."""
-        r = self.rate(bucket, arm, optimism=0.0)
+        unbiased one 1.9% (under it).
+
+        Nor unbiased: ``lockstep_optimism`` (-1) standard errors, each
+        depth's acceptance one standard error low, a lower bound for a
+        choice that cannot be taken back. A fresh engine's first lockstep
+        batch is picked on the few chains its warm-up verified: at batch 16
+        (AVX-512 AMD, ``bench_paired.py --interleave --restart-every 2``)
+        one restarted engine put chain-1 at 1.104x plain on them, just over
+        the lockstep margin, and its cell ran chains at 0.96 of vanilla;
+        the warm-up's prompts had accepted more than the cell's (1.66
+        tokens a step expected, 1.55 measured)."""
+        r = self.rate(bucket, arm, optimism=self.lockstep_optimism)
         if r is None:
             return r
         run = self._lockstep_run(bucket, arm)
@@ -1183,12 +1195,12 @@ class ShapeBandit:
             seconds = self.model_seconds(bucket, arm)
             if seconds is None:
                 return None
-            tau = self.chain_tokens(k, optimism=0.0)
+            tau = self.chain_tokens(k, optimism=self.lockstep_optimism)
             fixed = seconds - self.verify_cost(float(n * (1 + k)))
             step = [fixed + self.verify_cost(float(m * (1 + k))) for m in range(n + 1)]
         else:
             t = self._tree.get(bucket)
-            tau = self.tree_tokens(bucket, 0.0)
+            tau = self.tree_tokens(bucket, self.lockstep_optimism)
             if t is None or tau is None:
                 return None
             fixed = t["other"] + t["draft"]
