@@ -886,8 +886,9 @@ def test_shape_bandit_weighs_the_lockstep_drain_by_the_work_left():
     flat.choose(4, lockstep=True, horizon=1.0)
     t_c1 = 0.030 + 0.0001 * 8 + 0.007
     t_half = t_c1 - 0.0001 * 4
+    r_c1 = flat.rate(2, "chain-1", optimism=flat.lockstep_optimism)
     assert flat.lockstep_rate(2, "chain-1") == pytest.approx(
-        flat.rate(2, "chain-1", optimism=flat.lockstep_optimism) * t_c1 / (t_c1 + t_half - t_c1 / 2))
+        r_c1 * t_c1 / (t_c1 + t_half - t_c1 / 2))
     assert 0.66 < flat.lockstep_rate(2, "chain-1") / flat.rate(
         2, "chain-1", optimism=flat.lockstep_optimism) < 0.68
 

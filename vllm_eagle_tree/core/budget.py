@@ -789,9 +789,10 @@ class ShapeBandit:
     * then the best arm is kept, and a neighbour (other than, while a chain
       is best, a shorter chain the model predicts from its own measured
       drafting: the best chain verifies every depth it has, not a longer
-      chain's last, :meth:`_predicted`) is re-measured once its turn comes: after ``explore_every`` windows,
-      times ``(1 + gap / 0.05) ** 2`` where ``gap`` is how much faster it
-      must get to be chosen, margins included (:meth:`_gap`): a neighbour
+      chain's last, :meth:`_predicted`) is re-measured once its turn
+      comes: after ``explore_every`` windows, times ``(1 + gap / 0.05) **
+      2`` where ``gap`` is how much faster it must get to be chosen,
+      margins included (:meth:`_gap`): a neighbour
       within 2% is revisited every 16 windows, one that needs 20% every
       200 (~40 s at batch 1), costing 0.1%. Squared, not linear (every 5 x
       8 windows at 20%): the arms far from the best are those the model
@@ -1484,8 +1485,8 @@ class ShapeBandit:
             # step_ms's parts for plain and the chains: the forward model at
             # the arm's rows, and the chains' drafting (None: no model)
             "forward_ms": None if self.verify_cost is None else
-            {a: round(1e3 * self.verify_cost(float((1 << b) * (1 + (chain_length(a) or 0)))), 2)
-             for a in self.arms if a != "tree"},
+            {a: round(1e3 * self.verify_cost(float((1 << b) * (1 + (chain_length(a) or 0)))),
+                      2) for a in self.arms if a != "tree"},
             "draft_ms": [round(1e3 * self.draft_seconds(b, k), 2)
                          for k in range(1, len(self.reached) + 1)],
             "chain_tokens": [round(self.chain_tokens(k), 3) for k in range(1, len(self.reached) + 1)],
