@@ -1347,7 +1347,7 @@ class ShapeBandit:
         if k is None or kb is None or self.model_seconds(b, arm) is None \
                 or k not in self._draft.get(b, {}):
             return False
-        return k < kb or self.reached[min(k, len(self.reached)) - 1] >= known
+        return k < kb or self.reached[k - 1] >= known  # chain-k's last depth
 
     def _pick(self, b: int) -> str:
         best = self.best(b)
